@@ -1,0 +1,38 @@
+"""a3po-trl: asynchronous RL post-training of LLMs with A-3PO, as a drop-in TRL trainer."""
+
+from .config import AsyncA3POConfig
+from .functional import (
+    CAP_MODES,
+    LOSS_TYPES,
+    PROXIMAL_METHODS,
+    aggregate_loss,
+    approximate_proximal_logps,
+    behavior_importance_weight,
+    decoupled_ppo_loss,
+    kl_to_reference,
+    proximal_approximation_error,
+    staleness_weight,
+)
+from .generation import GenerationEngine, GeneratorPolicy, ScoredBatch, VersionedSampleQueue
+from .trainer import AsyncA3POTrainer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncA3POConfig",
+    "AsyncA3POTrainer",
+    "CAP_MODES",
+    "GenerationEngine",
+    "GeneratorPolicy",
+    "LOSS_TYPES",
+    "PROXIMAL_METHODS",
+    "ScoredBatch",
+    "VersionedSampleQueue",
+    "aggregate_loss",
+    "approximate_proximal_logps",
+    "behavior_importance_weight",
+    "decoupled_ppo_loss",
+    "kl_to_reference",
+    "proximal_approximation_error",
+    "staleness_weight",
+]

@@ -1,0 +1,177 @@
+"""`AsyncA3POConfig`: TRL's `GRPOConfig` plus the settings of asynchronous generation and the A-3PO loss."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+from .functional import CAP_MODES, PROXIMAL_METHODS
+
+
+@dataclass
+class AsyncA3POConfig(GRPOConfig):
+    r"""
+    Configuration class for the [`AsyncA3POTrainer`].
+
+    It extends TRL's [`~trl.GRPOConfig`]: every GRPO setting keeps its meaning (`loss_type`, `beta`, `epsilon`,
+    `epsilon_high`, `scale_rewards`, `reward_weights`, `num_generations`, `steps_per_generation`, ...). Only the
+    parameters specific to asynchronous generation and to A-3PO are listed here.
+
+    Parameters:
+        > Parameters that control the proximal policy and the decoupled loss
+
+        prox_logp_method (`str`, *optional*, defaults to `"loglinear"`):
+            How the proximal log-probs of decoupled PPO are obtained. `"loglinear"` is A-3PO: a staleness-aware
+            interpolation between the behavior and the current log-probs, no forward pass. `"recompute"` runs one
+            no-grad forward pass of the current weights over each batch when it is consumed (standard decoupled PPO).
+            `"metrics"` recomputes, trains with the recomputed values, and logs the error of the log-linear estimate.
+        behavior_weight_cap (`float` or `None`, *optional*, defaults to `5.0`):
+            Cap on the behavior importance weight `pi_prox / pi_behav`. Must be greater than 1; `None` disables it.
+        behavior_weight_cap_mode (`str`, *optional*, defaults to `"token_mask"`):
+            How the cap applies: `"token_mask"` drops tokens above the cap, `"token_truncate"` clamps them,
+            `"sequence_mask"` / `"sequence_truncate"` do the same with the geometric mean of the weight over each
+            sequence.
+
+        > Parameters that control asynchronous generation
+
+        max_staleness (`int`, *optional*, defaults to `1`):
+            Admission control: the generator never starts a batch that would be consumed more than `max_staleness`
+            optimizer steps after the weights it generates with; it waits instead, so no sample is thrown away. `0`
+            is synchronous (on-policy) training. With `steps_per_generation * num_iterations` larger than
+            `gradient_accumulation_steps`, one generation batch spans several optimizer steps and `max_staleness`
+            must be at least that span minus one.
+        async_generation (`bool`, *optional*, defaults to `True`):
+            Generate in a background thread that overlaps with training. `False` generates in the main thread
+            when a batch is needed (still versioned and scored by the same engine): useful for debugging and for
+            bit-exact reproducibility.
+        generation_device (`str` or `None`, *optional*, defaults to `None`):
+            Device of the generator's copy of the weights, e.g. `"cuda:1"`. `None` uses the training device. On
+            another device, frozen weights cannot be shared and are copied too.
+        generation_batch_chunk_size (`int` or `None`, *optional*, defaults to `None`):
+            Number of sequences per `generate` call and per behavior log-prob forward in the generator. `None`
+            processes the whole local generation batch at once.
+        generation_num_threads (`int` or `None`, *optional*, defaults to `None`):
+            CPU only: number of intra-op threads of the generation thread (`torch.set_num_threads` inside the
+            thread). `None` leaves PyTorch's setting. On a small CPU machine, one thread for generation and one for
+            training lets both run side by side.
+        training_num_threads (`int` or `None`, *optional*, defaults to `None`):
+            CPU only: number of intra-op threads of the training (main) thread during `train()`. `None` leaves
+            PyTorch's setting.
+        generation_poll_interval (`float`, *optional*, defaults to `0.1`):
+            Seconds between checks of the generation thread's health while the trainer waits for samples; bounds
+            how late an error in the thread is noticed.
+    """
+
+    prox_logp_method: str = field(
+        default="loglinear",
+        metadata={
+            "help": "How the proximal log-probs are obtained: 'loglinear' (A-3PO interpolation, no forward pass), "
+            "'recompute' (one no-grad forward per batch) or 'metrics' (recompute and log the loglinear error).",
+            "choices": list(PROXIMAL_METHODS),
+        },
+    )
+    behavior_weight_cap: float | None = field(
+        default=5.0,
+        metadata={"help": "Cap on the behavior importance weight pi_prox / pi_behav (> 1); None disables it."},
+    )
+    behavior_weight_cap_mode: str = field(
+        default="token_mask",
+        metadata={
+            "help": "How the behavior weight cap applies: token_mask, token_truncate, sequence_mask, "
+            "sequence_truncate.",
+            "choices": list(CAP_MODES),
+        },
+    )
+    max_staleness: int = field(
+        default=1,
+        metadata={
+            "help": "Largest allowed gap, in optimizer steps, between the weights that generate a sample and the "
+            "weights that train on it. 0 is synchronous training."
+        },
+    )
+    async_generation: bool = field(
+        default=True,
+        metadata={"help": "Generate in a background thread overlapping with training (False: in the main thread)."},
+    )
+    generation_device: str | None = field(
+        default=None,
+        metadata={"help": "Device of the generator's weights (e.g. 'cuda:1'); None uses the training device."},
+    )
+    generation_batch_chunk_size: int | None = field(
+        default=None,
+        metadata={"help": "Sequences per generate call in the generator; None processes the whole batch at once."},
+    )
+    generation_num_threads: int | None = field(
+        default=None,
+        metadata={"help": "CPU intra-op threads of the generation thread; None leaves PyTorch's setting."},
+    )
+    training_num_threads: int | None = field(
+        default=None,
+        metadata={"help": "CPU intra-op threads of the training thread during train(); None leaves it unchanged."},
+    )
+    generation_poll_interval: float = field(
+        default=0.1,
+        metadata={"help": "Seconds between health checks of the generation thread while waiting for samples."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.prox_logp_method not in PROXIMAL_METHODS:
+            raise ValueError(
+                f"prox_logp_method={self.prox_logp_method!r} is not supported; set it to one of {PROXIMAL_METHODS}."
+            )
+        if self.behavior_weight_cap_mode not in CAP_MODES:
+            raise ValueError(
+                f"behavior_weight_cap_mode={self.behavior_weight_cap_mode!r} is not supported; set it to one of "
+                f"{CAP_MODES}."
+            )
+        if self.behavior_weight_cap is not None and not self.behavior_weight_cap > 1.0:
+            raise ValueError(
+                f"behavior_weight_cap={self.behavior_weight_cap} must be greater than 1 (the on-policy weight is 1); "
+                "use e.g. 5.0, or None to disable the cap."
+            )
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise ValueError(
+                f"max_staleness={self.max_staleness!r} must be an integer >= 0 (0 = synchronous training, "
+                "1 = generate the next batch while training on the current one)."
+            )
+        for name in ("generation_num_threads", "training_num_threads", "generation_batch_chunk_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value} must be a positive integer or None.")
+        if not self.generation_poll_interval > 0:
+            raise ValueError(f"generation_poll_interval={self.generation_poll_interval} must be positive.")
+        span = self.versions_spanned_per_generation_batch
+        if self.max_staleness < span - 1:
+            raise ValueError(
+                f"max_staleness={self.max_staleness} is too small: with steps_per_generation="
+                f"{self.steps_per_generation}, num_iterations={self.num_iterations} and gradient_accumulation_steps="
+                f"{self.gradient_accumulation_steps}, one generation batch is trained on over {span} optimizer steps, "
+                f"so its samples reach staleness {span - 1}. Set max_staleness >= {span - 1}, or lower "
+                "steps_per_generation / num_iterations."
+            )
+
+    @property
+    def versions_spanned_per_generation_batch(self) -> int:
+        """Largest number of distinct policy versions that train on one generation batch."""
+        return max(len(v) for v in generation_batch_versions(self, period=True))
+
+
+def generation_batch_versions(args: GRPOConfig, period: bool = False, batch_index: int | None = None):
+    """Policy versions (optimizer steps done) at which generation batch ``j`` is trained on.
+
+    Batch ``j`` covers micro-steps ``[j * E, (j + 1) * E)`` with ``E = steps_per_generation * num_iterations``; micro
+    step ``m`` trains at version ``m // gradient_accumulation_steps``. With ``period=True`` returns the versions of
+    one batch per residue class (enough to find the largest span); otherwise those of ``batch_index``.
+    """
+    every = args.steps_per_generation * args.num_iterations
+    accumulation = args.gradient_accumulation_steps
+
+    def versions(j: int) -> range:
+        first, last = (j * every) // accumulation, ((j + 1) * every - 1) // accumulation
+        return range(first, last + 1)
+
+    if period:
+        return [versions(j) for j in range(accumulation)]
+    return versions(batch_index)

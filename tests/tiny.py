@@ -1,0 +1,70 @@
+"""Tiny, local, offline test fixtures: a byte-level tokenizer with a chat template and small random causal LMs."""
+
+from __future__ import annotations
+
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer (256 byte tokens, no merges) with ChatML special tokens."""
+    byte_to_unicode = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(byte_to_unicode))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<pad>",
+        bos_token="<|im_start|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def make_model(tokenizer, seed: int = 0, hidden_size: int = 32, num_layers: int = 2) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+def make_prompts(n: int = 16, conversational: bool = True) -> Dataset:
+    questions = [f"What is {a} + {b}?" for a, b in zip(range(n), range(3, 3 + n))]
+    answers = [str(a + b) for a, b in zip(range(n), range(3, 3 + n))]
+    if conversational:
+        prompts = [[{"role": "user", "content": q}] for q in questions]
+    else:
+        prompts = questions
+    return Dataset.from_dict({"prompt": prompts, "answer": answers})
+
+
+def length_reward(completions, **kwargs):
+    """Rewards longer completions: a dense, always-defined signal for tests."""
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [len(t) / 10.0 for t in texts]
+
+
+def digit_reward(completions, **kwargs):
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [sum(ch.isdigit() for ch in t) / 4.0 for t in texts]
