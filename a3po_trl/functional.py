@@ -73,8 +73,8 @@ def approximate_proximal_logps(
         device=current_logps.device, dtype=current_logps.dtype
     )
     current = current_logps.detach()
-    # Written as current + w * (behavior - current) so that w = 1 gives the behavior log-probs exactly.
-    return current + weight * (behavior_logps.to(current.dtype) - current)
+    # w * behavior + (1 - w) * current: w = 1 (staleness <= 1) gives the behavior log-probs exactly.
+    return weight * behavior_logps.to(current.dtype) + (1.0 - weight) * current
 
 
 def _masked_sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -265,7 +265,10 @@ class GenerationEngine:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._next_inline = 0
-        self._next_get = 0
+        self.produced = 0
+        """Batches generated so far."""
+        self.consumed = 0
+        """Batches handed to the trainer so far."""
 
     # ---- main thread -------------------------------------------------------------------------------------------
     def start(self, module: nn.Module, version: int) -> None:
@@ -288,7 +291,7 @@ class GenerationEngine:
 
         Re-raises, with its original traceback, any exception raised in the generation thread.
         """
-        if self._next_get >= self.num_batches:
+        if self.consumed >= self.num_batches:
             raise RuntimeError(f"All {self.num_batches} generation batches of this run were already consumed.")
         start = time.perf_counter()
         if not self.asynchronous:
@@ -303,9 +306,9 @@ class GenerationEngine:
                 if self._thread is None or not self._thread.is_alive():
                     self._raise_if_failed()
                     raise RuntimeError("The generation thread stopped without producing the next batch.")
-        if batch.index != self._next_get:
-            raise RuntimeError(f"Generation batches out of order: expected {self._next_get}, got {batch.index}.")
-        self._next_get += 1
+        if batch.index != self.consumed:
+            raise RuntimeError(f"Generation batches out of order: expected {self.consumed}, got {batch.index}.")
+        self.consumed += 1
         return batch, time.perf_counter() - start
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -362,6 +365,7 @@ class GenerationEngine:
         batch.version = version
         batch.timings["generator_wait_for_staleness_bound"] = waited
         batch.timings["rollout"] = time.perf_counter() - start
+        self.produced += 1
         return batch
 
     def _run(self) -> None:

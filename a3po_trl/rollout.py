@@ -188,6 +188,9 @@ class RolloutSettings:
     mask_truncated_completions: bool = False
     chunk_size: int | None = None
     pad_to_multiple_of: int | None = None
+    autocast_dtype: torch.dtype | None = None
+    """Mixed-precision dtype of the trainer's forward (bf16/fp16), applied to generation and behavior log-probs so
+    they come from the same numerics as the training log-probs; None for full precision."""
     reward_extra_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -199,7 +202,7 @@ def run_rollout(settings: RolloutSettings, module: nn.Module, rows: list[dict], 
     prompt_ids_list = settings.tokenize_prompts(prompts)
 
     start = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), _autocast(device, settings.autocast_dtype):
         completion_ids_list = _generate(settings, module, prompt_ids_list, device, should_stop)
     timings["generation"] = time.perf_counter() - start
 
@@ -213,7 +216,7 @@ def run_rollout(settings: RolloutSettings, module: nn.Module, rows: list[dict], 
         completion_mask = completion_mask * (~is_truncated).unsqueeze(1).long()
 
     start = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), _autocast(device, settings.autocast_dtype):
         behavior_logps = per_token_logps_fused(
             module,
             torch.cat([prompt_ids, completion_ids], dim=1).to(device),
@@ -300,6 +303,10 @@ class _CallableStop:
 
     def __call__(self, input_ids, scores, **kwargs):
         return torch.full((input_ids.shape[0],), bool(self.should_stop()), dtype=torch.bool, device=input_ids.device)
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    return torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype is not None)
 
 
 def _pad_rows(rows: list[list[int]], pad_value: int, side: str, pad_to_multiple_of):

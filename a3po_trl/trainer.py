@@ -95,6 +95,8 @@ class AsyncA3POTrainer(GRPOTrainer):
         self._check_supported_after_init()
 
         self._engine: GenerationEngine | None = None
+        self.last_generation_engine: GenerationEngine | None = None
+        """The engine of the latest `train()` call, kept after it stops for inspection (counters, queue, policy)."""
         self._policy: GeneratorPolicy | None = None
         self._run_start_version = 0
         self._weight_sync_seconds = 0.0
@@ -177,6 +179,7 @@ class AsyncA3POTrainer(GRPOTrainer):
             mask_truncated_completions=self.mask_truncated_completions,
             chunk_size=self.args.generation_batch_chunk_size,
             pad_to_multiple_of=self.pad_to_multiple_of,
+            autocast_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.accelerator.mixed_precision),
             reward_extra_kwargs={"trainer_state": self.state, "log_metric": self._log_generator_metric},
         )
 
@@ -228,6 +231,7 @@ class AsyncA3POTrainer(GRPOTrainer):
             num_threads=args.generation_num_threads,
             poll_interval=args.generation_poll_interval,
         )
+        self.last_generation_engine = self._engine
         self._engine.start(self._unwrapped_model(), start_version)
 
     def _stop_engine(self):

@@ -1,0 +1,232 @@
+"""AsyncA3POTrainer behaviour: drop-in equivalence with GRPOTrainer, staleness bounds, forwards, lifecycle."""
+
+import threading
+
+import pytest
+import torch
+from tiny import digit_reward, length_reward, make_model, make_prompts
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
+
+COMMON = dict(
+    per_device_train_batch_size=4,
+    num_generations=4,
+    max_completion_length=8,
+    logging_steps=1,
+    report_to="none",
+    use_cpu=True,
+    save_strategy="no",
+    learning_rate=1e-2,
+    seed=0,
+)
+
+
+def make_trainer(tokenizer, tmp_path, reward_funcs=(length_reward,), model=None, dataset=None, **overrides):
+    kwargs = {**COMMON, "max_steps": 4, **overrides}
+    args = AsyncA3POConfig(output_dir=str(tmp_path / "out"), **kwargs)
+    return AsyncA3POTrainer(
+        model=model if model is not None else make_model(tokenizer),
+        reward_funcs=list(reward_funcs),
+        args=args,
+        train_dataset=dataset if dataset is not None else make_prompts(16),
+        processing_class=tokenizer,
+    )
+
+
+def logged(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("beta", [0.0, 0.05])
+def test_drop_in_equivalence_with_grpo_trainer_on_policy(tokenizer, tmp_path, loss_type, beta):
+    """max_staleness=0, on-policy batch: same loss and gradients as TRL's GRPOTrainer._compute_loss."""
+    settings = dict(
+        COMMON, max_steps=3, loss_type=loss_type, beta=beta, epsilon_high=0.28, gradient_accumulation_steps=2
+    )
+    model_dir = str(tmp_path / "model")
+    make_model(tokenizer).save_pretrained(model_dir)  # a local path: the reference model loads from it too
+    args = AsyncA3POConfig(output_dir=str(tmp_path / "a"), max_staleness=0, async_generation=False, **settings)
+    ours = AsyncA3POTrainer(
+        model=model_dir,
+        reward_funcs=[length_reward, digit_reward],
+        args=args,
+        train_dataset=make_prompts(16),
+        processing_class=tokenizer,
+    )
+    grpo_args = GRPOConfig(output_dir=str(tmp_path / "b"), **settings)
+    theirs = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=[length_reward, digit_reward],
+        args=grpo_args,
+        train_dataset=make_prompts(16),
+        processing_class=tokenizer,
+    )
+    for trainer in (ours, theirs):
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 2
+        trainer.state.max_steps = 3
+    try:
+        inputs = ours._prepare_inputs(None)
+        assert (inputs["policy_version"] == 0).all()
+        loss_ours = ours.compute_loss(ours.model, inputs)
+        loss_ours.backward()
+        trl_inputs = {k: v for k, v in inputs.items() if k not in ("behavior_logps", "policy_version")}
+        loss_theirs = theirs._compute_loss(theirs.model, trl_inputs)
+        loss_theirs.backward()
+    finally:
+        ours._stop_engine()
+    assert torch.allclose(loss_ours, loss_theirs, atol=1e-6, rtol=1e-5), (loss_ours.item(), loss_theirs.item())
+    grads_theirs = dict(theirs.model.named_parameters())
+    for name, param in ours.model.named_parameters():
+        assert param.grad is not None, name
+        assert torch.allclose(param.grad, grads_theirs[name].grad, atol=1e-6, rtol=1e-4), name
+
+
+@pytest.mark.parametrize("max_staleness", [1, 3])
+def test_staleness_bounded_reached_and_nothing_dropped(tokenizer, tmp_path, max_staleness):
+    trainer = make_trainer(tokenizer, tmp_path, max_staleness=max_staleness, max_steps=8)
+    trainer.train()
+    engine = trainer.last_generation_engine
+    staleness_max = logged(trainer, "a3po/staleness_max")
+    assert len(staleness_max) == 8
+    assert max(staleness_max) <= max_staleness
+    assert max(staleness_max) > 0
+    # every generated batch was consumed, in order; none was thrown away
+    assert engine.produced == engine.consumed == engine.num_batches == 8
+    assert engine.queue.max_depth_seen <= max_staleness + 1
+    assert len(engine.queue) == 0
+
+
+def test_synchronous_mode_is_on_policy(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, max_staleness=0, max_steps=4)
+    trainer.train()
+    assert logged(trainer, "a3po/staleness_max") == [0.0] * 4
+    assert logged(trainer, "a3po/importance_weight_max") == [1.0] * 4
+
+
+def test_steps_spanning_a_generation_batch_respect_the_bound(tokenizer, tmp_path):
+    # steps_per_generation=2 with gradient_accumulation_steps=1: one batch trains over 2 optimizer steps.
+    with pytest.raises(ValueError, match="max_staleness"):
+        AsyncA3POConfig(output_dir=str(tmp_path), steps_per_generation=2, max_staleness=0, **COMMON)
+    trainer = make_trainer(tokenizer, tmp_path, steps_per_generation=2, max_staleness=1, max_steps=6)
+    trainer.train()
+    staleness_max = logged(trainer, "a3po/staleness_max")
+    assert max(staleness_max) == 1 and min(staleness_max) == 0
+
+
+@pytest.mark.parametrize("method, extra_per_batch", [("loglinear", 0), ("recompute", 1), ("metrics", 1)])
+def test_forward_passes_per_batch(tokenizer, tmp_path, method, extra_per_batch):
+    trainer = make_trainer(tokenizer, tmp_path, prox_logp_method=method, max_steps=3)
+    calls = []
+    original = trainer._get_per_token_logps_and_entropies
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("compute_entropy", False))
+        return original(*args, **kwargs)
+
+    trainer._get_per_token_logps_and_entropies = counting
+    trainer.train()
+    training_forwards = sum(calls)  # the loss forward computes entropies
+    extra_forwards = len(calls) - training_forwards
+    assert training_forwards == 3
+    assert extra_forwards == 3 * extra_per_batch
+    if method == "metrics":
+        errors = logged(trainer, "a3po/approx_logp_abs_error")
+        assert len(errors) == 3 and all(e >= 0 for e in errors)
+
+
+def test_parameters_change_and_generator_matches_after_publication(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, max_staleness=1, max_steps=3)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
+    assert len(changed) == len(before)
+    policy = trainer.last_generation_engine.policy
+    assert policy.published_version == trainer.state.global_step == 3
+    assert not policy.matches(trainer.model) or policy.version == 3
+    policy.refresh()
+    assert policy.version == 3 and policy.matches(trainer.model)
+    # the generator owns its copy: changing the trainer's weights does not change the generator's
+    with torch.no_grad():
+        next(trainer.model.parameters()).add_(1.0)
+    assert not policy.matches(trainer.model)
+
+
+def test_generator_copy_does_not_call_the_training_module(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, max_steps=1)
+    calls = []
+    # the hook is deep-copied into the generator's module too: count only calls on the training module itself
+    hook = trainer.model.register_forward_pre_hook(lambda module, args: calls.append(module is trainer.model))
+    trainer.train()
+    hook.remove()
+    assert (
+        sum(calls) == 1 and len(calls) > 1
+    )  # only the training forward of the single step; generation used the generator's copy
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+def test_exception_in_generation_thread_surfaces_from_train(tokenizer, tmp_path):
+    state = {"calls": 0}
+
+    def flaky_reward(completions, **kwargs):
+        state["calls"] += 1
+        if state["calls"] == 3:
+            raise _Boom("reward service down")
+        return [0.0] * len(completions)
+
+    trainer = make_trainer(tokenizer, tmp_path, reward_funcs=(flaky_reward,), max_staleness=2, max_steps=10)
+    with pytest.raises(_Boom, match="reward service down") as info:
+        trainer.train()
+    assert any(frame.name == "flaky_reward" for frame in info.traceback)  # original traceback kept
+    assert "flaky_reward" in "".join(getattr(info.value, "__notes__", []))
+    assert not [t for t in threading.enumerate() if t.name.startswith("a3po-generation")]
+
+
+class _InterruptAt(TrainerCallback):
+    def __init__(self, step, error):
+        self.step, self.error = step, error
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise self.error
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), ValueError("main thread failed")])
+def test_main_thread_interruption_joins_generation_thread(tokenizer, tmp_path, error):
+    trainer = make_trainer(tokenizer, tmp_path, max_staleness=2, max_steps=20)
+    trainer.add_callback(_InterruptAt(2, error))
+    with pytest.raises(type(error)):
+        trainer.train()
+    engine = trainer.last_generation_engine
+    assert engine.thread is not None and not engine.thread.is_alive()
+
+
+def test_thread_off_runs_are_identical(tokenizer, tmp_path):
+    losses = []
+    for run in range(2):
+        trainer = make_trainer(tokenizer, tmp_path / str(run), async_generation=False, max_staleness=1, max_steps=3)
+        trainer.train()
+        losses.append(logged(trainer, "loss"))
+        assert logged(trainer, "a3po/staleness_max") == [0.0] * 3
+    assert losses[0] == losses[1]
+
+
+def test_unsupported_settings_are_rejected(tokenizer, tmp_path):
+    with pytest.raises(NotImplementedError, match="loss_type='sapo'"):
+        make_trainer(tokenizer, tmp_path, loss_type="sapo")
+    with pytest.raises(NotImplementedError, match="use_vllm"):
+        make_trainer(tokenizer, tmp_path, use_vllm=True)
+    with pytest.raises(TypeError, match="AsyncA3POConfig"):
+        AsyncA3POTrainer(
+            model=make_model(tokenizer),
+            reward_funcs=[length_reward],
+            args=GRPOConfig(output_dir=str(tmp_path), **COMMON),
+            train_dataset=make_prompts(8),
+            processing_class=tokenizer,
+        )
