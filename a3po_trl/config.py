@@ -142,6 +142,14 @@ class AsyncA3POConfig(GRPOConfig):
                 raise ValueError(f"{name}={value} must be a positive integer or None.")
         if not self.generation_poll_interval > 0:
             raise ValueError(f"generation_poll_interval={self.generation_poll_interval} must be positive.")
+        local_batch = self.per_device_train_batch_size * self.steps_per_generation
+        if local_batch % self.num_generations:
+            raise ValueError(
+                f"Each process must generate whole groups: per_device_train_batch_size "
+                f"({self.per_device_train_batch_size}) * steps_per_generation ({self.steps_per_generation}) = "
+                f"{local_batch} is not a multiple of num_generations ({self.num_generations}). Change one of them "
+                "so the product is a multiple of num_generations."
+            )
         span = self.versions_spanned_per_generation_batch
         if self.max_staleness < span - 1:
             raise ValueError(

@@ -116,6 +116,12 @@ class GeneratorPolicy:
             self.version = self._staging_version
         return True
 
+    def reset(self) -> None:
+        """Forget the versions (e.g. when training resumes from an older checkpoint); the next publish is loaded."""
+        with self._lock:
+            self.version = -1
+            self._staging_version = -1
+
     @property
     def published_version(self) -> int:
         with self._lock:
@@ -273,6 +279,7 @@ class GenerationEngine:
     # ---- main thread -------------------------------------------------------------------------------------------
     def start(self, module: nn.Module, version: int) -> None:
         """Publish the starting weights and, if asynchronous, start the generation thread."""
+        self.policy.reset()
         self.publish(module, version)
         if self.asynchronous and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="a3po-generation", daemon=True)

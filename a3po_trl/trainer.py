@@ -115,14 +115,14 @@ class AsyncA3POTrainer(GRPOTrainer):
             raise NotImplementedError(
                 "AsyncA3POTrainer does not support the MoE router auxiliary loss yet; set router_aux_loss_coef=0.0."
             )
-        local_batch = self.args.per_device_train_batch_size * self.args.steps_per_generation
-        if local_batch % self.num_generations:
-            raise ValueError(
-                f"Each process must generate whole groups: per_device_train_batch_size "
-                f"({self.args.per_device_train_batch_size}) * steps_per_generation ({self.args.steps_per_generation})"
-                f" = {local_batch} is not a multiple of num_generations ({self.num_generations}). Change one of them "
-                "so the product is a multiple of num_generations."
-            )
+        if self.train_dataset is not None:
+            prompts_needed = self.args.generation_batch_size // self.num_generations
+            if len(self.train_dataset) < prompts_needed:
+                raise ValueError(
+                    f"train_dataset has {len(self.train_dataset)} prompts, fewer than one generation batch needs "
+                    f"({prompts_needed} = generation_batch_size {self.args.generation_batch_size} / num_generations "
+                    f"{self.num_generations}). Add prompts or lower per_device_train_batch_size / steps_per_generation."
+                )
         if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
             raise NotImplementedError(
                 "DeepSpeed ZeRO-3 is not supported yet: the generator's weight copy needs gathered parameters. Use "
