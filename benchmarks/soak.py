@@ -1,0 +1,145 @@
+"""Soak test: hundreds of asynchronous A-3PO steps on a tiny model, watching memory, threads and file handles.
+
+    python benchmarks/soak.py --steps 400 --max-staleness 4 --out soak.json
+
+Prints one line per sample and a summary: resident memory after warm-up and at the end, the growth between them,
+the largest queue depth, and the thread and open-file counts before, during and after training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+
+from transformers import TrainerCallback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+
+def resident_memory_mb() -> float:
+    """Resident set size of this process in MiB (Linux /proc; falls back to peak RSS elsewhere)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def open_file_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return -1
+
+
+class _Probe(TrainerCallback):
+    def __init__(self, trainer, every: int, verbose: bool):
+        self.trainer, self.every, self.verbose = trainer, every, verbose
+        self.samples = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self.every:
+            return
+        engine = self.trainer.last_generation_engine
+        sample = {
+            "step": state.global_step,
+            "rss_mb": round(resident_memory_mb(), 1),
+            "threads": threading.active_count(),
+            "open_files": open_file_count(),
+            "queue_depth": len(engine.queue) if engine else 0,
+            "time": round(time.perf_counter(), 2),
+        }
+        self.samples.append(sample)
+        if self.verbose:
+            print(json.dumps(sample), flush=True)
+
+
+def run_soak(steps: int = 400, max_staleness: int = 4, every: int = 10, warmup_fraction: float = 0.25, verbose=True):
+    """Train a tiny model for `steps` asynchronous steps and return the memory/thread/file report."""
+    from tiny import length_reward, make_model, make_prompts, make_tokenizer
+
+    from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
+
+    threads_before, files_before = threading.active_count(), open_file_count()
+    tokenizer = make_tokenizer()
+    with tempfile.TemporaryDirectory() as output_dir:
+        args = AsyncA3POConfig(
+            output_dir=output_dir,
+            per_device_train_batch_size=4,
+            num_generations=4,
+            max_completion_length=8,
+            max_steps=steps,
+            max_staleness=max_staleness,
+            logging_steps=every,
+            report_to="none",
+            use_cpu=True,
+            bf16=False,
+            save_strategy="no",
+            disable_tqdm=True,
+            learning_rate=1e-3,
+        )
+        trainer = AsyncA3POTrainer(
+            model=make_model(tokenizer),
+            reward_funcs=[length_reward],
+            args=args,
+            train_dataset=make_prompts(64),
+            processing_class=tokenizer,
+        )
+        probe = _Probe(trainer, every, verbose)
+        trainer.add_callback(probe)
+        start = time.perf_counter()
+        trainer.train()
+        seconds = time.perf_counter() - start
+        engine = trainer.last_generation_engine
+    samples = probe.samples
+    warm = samples[max(1, int(len(samples) * warmup_fraction)) - 1]
+    report = {
+        "steps": steps,
+        "max_staleness": max_staleness,
+        "seconds": round(seconds, 1),
+        "rss_after_warmup_mb": warm["rss_mb"],
+        "rss_end_mb": samples[-1]["rss_mb"],
+        "rss_growth_after_warmup_mb": round(samples[-1]["rss_mb"] - warm["rss_mb"], 1),
+        "max_queue_depth": engine.queue.max_depth_seen,
+        "queue_bound": engine.queue.maxsize,
+        "batches_produced": engine.produced,
+        "batches_consumed": engine.consumed,
+        "threads_before": threads_before,
+        "threads_during_max": max(s["threads"] for s in samples),
+        "threads_after": threading.active_count(),
+        "open_files_before": files_before,
+        "open_files_during_max": max(s["open_files"] for s in samples),
+        "open_files_after": open_file_count(),
+        "samples": samples,
+    }
+    return report
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--max-staleness", type=int, default=4)
+    parser.add_argument("--every", type=int, default=10, help="sample every N optimizer steps")
+    parser.add_argument("--out", default=None, help="write the report as JSON here")
+    options = parser.parse_args()
+    report = run_soak(options.steps, options.max_staleness, options.every)
+    summary = {k: v for k, v in report.items() if k != "samples"}
+    print(json.dumps(summary, indent=2))
+    if options.out:
+        with open(options.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""Reliability: bad input is caught before work starts, faults surface cleanly, checkpoints resume exactly."""
+
+import math
+import os
+import threading
+
+import pytest
+import torch
+from datasets import Dataset
+from test_trainer import COMMON, logged, make_trainer
+from tiny import length_reward, make_model, make_prompts
+from transformers import AutoModelForCausalLM, TrainerCallback
+
+from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
+
+BAD_CONFIGS = [
+    ({"max_staleness": -1}, "max_staleness=-1"),
+    ({"max_staleness": 1.5}, "max_staleness=1.5"),
+    ({"behavior_weight_cap": 1.0}, "behavior_weight_cap=1.0"),
+    ({"behavior_weight_cap": 0.5}, "behavior_weight_cap=0.5"),
+    ({"prox_logp_method": "exact"}, "prox_logp_method='exact'"),
+    ({"behavior_weight_cap_mode": "clip"}, "behavior_weight_cap_mode='clip'"),
+    ({"per_device_train_batch_size": 6}, "must be divisible by num_generations (4)"),
+    ({"steps_per_generation": 3, "max_staleness": 1}, "max_staleness=1 is too small"),
+    ({"generation_num_threads": 0}, "generation_num_threads=0"),
+    ({"generation_poll_interval": 0}, "generation_poll_interval=0"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_CONFIGS)
+def test_bad_config_values_name_the_field(tmp_path, overrides, message):
+    with pytest.raises(ValueError) as info:
+        AsyncA3POConfig(output_dir=str(tmp_path), **{**COMMON, **overrides})
+    assert message in str(info.value)
+
+
+BAD_OPTIONS = [
+    ({"loss_type": "cispo"}, "loss_type='cispo'"),
+    ({"importance_sampling_level": "sequence"}, "importance_sampling_level"),
+    ({"top_entropy_quantile": 0.5}, "top_entropy_quantile"),
+    ({"off_policy_mask_threshold": 0.1}, "off_policy_mask_threshold"),
+    ({"delta": 2.0}, "delta"),
+    ({"entropy_coef": 0.01}, "entropy_coef"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_OPTIONS)
+def test_unsupported_options_are_rejected_before_the_model_loads(tokenizer, tmp_path, overrides, message):
+    with pytest.raises(NotImplementedError, match=message):
+        make_trainer(tokenizer, tmp_path, model="does-not-exist/never-loaded", **overrides)
+
+
+@pytest.mark.parametrize(
+    "dataset, message",
+    [
+        (Dataset.from_dict({"question": ["a", "b"]}), "no 'prompt' column"),
+        (Dataset.from_dict({"prompt": []}), "empty"),
+        (make_prompts(1), "fewer than one generation batch"),
+    ],
+)
+def test_bad_datasets_are_rejected(tokenizer, tmp_path, dataset, message):
+    with pytest.raises(ValueError, match=message):
+        make_trainer(tokenizer, tmp_path, dataset=dataset, per_device_train_batch_size=8, num_generations=4)
+
+
+def _no_generation_thread_alive():
+    return not [t for t in threading.enumerate() if t.name.startswith("a3po-generation")]
+
+
+def test_reward_function_exception_names_the_function(tokenizer, tmp_path):
+    def broken_reward(completions, **kwargs):
+        return [1 / 0 for _ in completions]
+
+    trainer = make_trainer(tokenizer, tmp_path, reward_funcs=(broken_reward,))
+    with pytest.raises(ZeroDivisionError) as info:
+        trainer.train()
+    assert "broken_reward" in "".join(info.value.__notes__)
+    assert any(frame.name == "<listcomp>" or frame.name == "broken_reward" for frame in info.traceback)
+    assert _no_generation_thread_alive()
+
+
+@pytest.mark.parametrize(
+    "result, error, message",
+    [
+        (lambda n: [1.0] * (n - 1), ValueError, "returned 3 rewards, but 4 were expected"),
+        (lambda n: ["good"] * n, TypeError, "non-numeric reward 'good'"),
+        (lambda n: 3.0, TypeError, "returned float"),
+    ],
+)
+def test_bad_reward_results_are_clear_errors(tokenizer, tmp_path, result, error, message):
+    def odd_reward(completions, **kwargs):
+        return result(len(completions))
+
+    trainer = make_trainer(tokenizer, tmp_path, reward_funcs=(odd_reward,), num_generations=4)
+    with pytest.raises(error, match=message):
+        trainer.train()
+    assert _no_generation_thread_alive()
+
+
+def test_none_and_nan_rewards_are_ignored(tokenizer, tmp_path):
+    def sometimes_none(completions, **kwargs):
+        return [None if i % 2 else float("nan") if i % 3 == 0 else 1.0 for i in range(len(completions))]
+
+    trainer = make_trainer(tokenizer, tmp_path, reward_funcs=(sometimes_none, length_reward), max_steps=2)
+    trainer.train()
+    assert all(math.isfinite(v) for v in logged(trainer, "loss"))
+    assert all(math.isfinite(v) for v in logged(trainer, "rewards/sometimes_none/mean"))
+
+
+def test_all_masked_batches_and_zero_advantages_stay_finite(tokenizer, tmp_path):
+    def constant(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    # every completion is truncated at 2 tokens and masked out; the constant reward gives zero advantages
+    trainer = make_trainer(
+        tokenizer,
+        tmp_path,
+        reward_funcs=(constant,),
+        max_completion_length=2,
+        mask_truncated_completions=True,
+        max_steps=2,
+        loss_type="dapo",
+    )
+    trainer.train()
+    assert logged(trainer, "loss") == [0.0, 0.0]
+    assert all(math.isfinite(v) for key in ("entropy", "a3po/staleness_mean") for v in logged(trainer, key))
+
+
+class _StopAt(TrainerCallback):
+    """Simulates a crash in the main thread right after `step` (after the checkpoint of that step is written)."""
+
+    def __init__(self, step, error=KeyboardInterrupt):
+        self.step, self.error = step, error
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise self.error()
+
+
+def logged_after(trainer, key, step):
+    """Values of `key` logged after optimizer step `step` (a resumed run's history starts with the checkpoint's)."""
+    return [h[key] for h in trainer.state.log_history if key in h and h["step"] > step]
+
+
+def _final_weights(trainer):
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def test_resume_matches_uninterrupted_run(tokenizer, tmp_path):
+    settings = dict(async_generation=False, max_staleness=1, max_steps=6, save_steps=3, save_strategy="steps")
+    model = make_model(tokenizer)
+    uninterrupted = make_trainer(tokenizer, tmp_path / "a", model=model, **settings)
+    uninterrupted.train()
+
+    model = make_model(tokenizer)
+    interrupted = make_trainer(tokenizer, tmp_path / "b", model=model, **settings)
+    interrupted.add_callback(_StopAt(3))
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.train()
+    checkpoint = tmp_path / "b" / "out" / "checkpoint-3"
+    assert checkpoint.is_dir()
+    AutoModelForCausalLM.from_pretrained(checkpoint)  # intact and loadable
+
+    resumed = make_trainer(tokenizer, tmp_path / "b", model=make_model(tokenizer, seed=123), **settings)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 6
+    for key in ("loss", "learning_rate", "reward", "async/generator_version"):
+        assert logged_after(resumed, key, 3) == logged_after(uninterrupted, key, 3), key
+        assert len(logged_after(resumed, key, 3)) == 3
+    a, b = _final_weights(uninterrupted), _final_weights(resumed)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_resume_with_thread_starts_generator_at_restored_version(tokenizer, tmp_path):
+    settings = dict(max_staleness=2, max_steps=4, save_steps=2, save_strategy="steps")
+    first = make_trainer(tokenizer, tmp_path, **settings)
+    first.add_callback(_StopAt(2, ValueError))
+    with pytest.raises(ValueError):
+        first.train()
+    resumed = make_trainer(tokenizer, tmp_path, model=make_model(tokenizer, seed=7), **settings)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    versions = logged_after(resumed, "async/generator_version", 2)
+    staleness = logged_after(resumed, "a3po/staleness_max", 2)
+    assert versions[0] == 2 and min(versions) >= 2  # generator restarted from the restored weights
+    assert len(staleness) == 2 and max(staleness) <= 2
+    assert resumed.last_generation_engine.consumed == 2
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_interrupt_leaves_last_checkpoint_loadable(tokenizer, tmp_path, error):
+    class _FailAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                raise error("stop")
+
+    trainer = make_trainer(tokenizer, tmp_path, max_steps=10, save_steps=2, save_strategy="steps", max_staleness=2)
+    trainer.add_callback(_FailAt())
+    with pytest.raises(error):
+        trainer.train()
+    assert _no_generation_thread_alive()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert sorted(p for p in os.listdir(tmp_path / "out") if p.startswith("checkpoint")) == ["checkpoint-2"]
+    assert (checkpoint / "trainer_state.json").exists()
+    AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+def test_thread_on_runs_are_reproducible_within_tolerance(tokenizer, tmp_path):
+    """With the thread on, sampling interleaves with the main thread; staleness stays bounded and rewards agree."""
+    rewards = []
+    for run in range(2):
+        trainer = make_trainer(tokenizer, tmp_path / str(run), max_staleness=2, max_steps=6)
+        trainer.train()
+        assert max(logged(trainer, "a3po/staleness_max")) <= 2
+        rewards.append(sum(logged(trainer, "reward")) / 6)
+    assert abs(rewards[0] - rewards[1]) <= 0.15, rewards
