@@ -13,6 +13,7 @@ The main (training) thread and the generation thread share three things, each gu
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import threading
@@ -55,18 +56,29 @@ class GeneratorPolicy:
     tensor as the trainer's (shared when on the same device) and every trainable parameter is its own clone. Any
     instance-level ``forward`` patch (TRL's fused LM head, accelerate's autocast wrapper) is removed from the copy, so
     it never closes over the training module; ``patch_fn`` can re-apply a patch to the copy itself.
+
+    When the training module's parameters are sharded (DeepSpeed ZeRO-3), pass ``gather``: a context manager factory
+    that makes a list of parameters whole on every process (``deepspeed.zero.GatheredParameters``). The copy is then
+    built fresh from the model's config and loaded with the gathered weights (nothing can be shared), and every
+    publication gathers the trainable weights; both happen in the main thread, on every process together.
     """
 
-    def __init__(self, module: nn.Module, device: torch.device | str | None = None, patch_fn=None):
-        device = torch.device(device) if device is not None else _module_device(module)
-        same_device = device == _module_device(module)
-        memo = {}
-        if same_device:
-            memo = {id(p): p for p in module.parameters() if not p.requires_grad}
-        self.module = copy.deepcopy(module, memo)
-        for submodule in self.module.modules():
-            submodule.__dict__.pop("forward", None)
-            submodule.__dict__.pop("_original_forward", None)
+    def __init__(self, module: nn.Module, device: torch.device | str | None = None, patch_fn=None, gather=None):
+        self._gather = gather or _no_gather
+        if gather is None:
+            device = torch.device(device) if device is not None else _module_device(module)
+            same_device = device == _module_device(module)
+            memo = {}
+            if same_device:
+                memo = {id(p): p for p in module.parameters() if not p.requires_grad}
+            self.module = copy.deepcopy(module, memo)
+            for submodule in self.module.modules():
+                submodule.__dict__.pop("forward", None)
+                submodule.__dict__.pop("_original_forward", None)
+        else:
+            device = torch.device(device) if device is not None else _module_device(module)
+            same_device = False
+            self.module = _fresh_copy(module, gather)
         if not same_device:
             self.module.to(device)
         self.module.eval()
@@ -95,7 +107,7 @@ class GeneratorPolicy:
         """Main thread: copy ``module``'s trainable weights into the staging buffer as ``version``. Returns seconds."""
         start = time.perf_counter()
         params = dict(module.named_parameters())
-        with self._lock:
+        with self._gather([params[name] for name in self.trainable_names]), self._lock:
             for name in self.trainable_names:
                 self._staging[name].copy_(params[name].detach(), non_blocking=True)
             if self.device.type == "cuda":
@@ -130,7 +142,72 @@ class GeneratorPolicy:
     def matches(self, module: nn.Module) -> bool:
         """Whether the generator's trainable weights equal ``module``'s (a check for tests and debugging)."""
         params = dict(module.named_parameters())
-        return all(torch.equal(self._own[name].cpu(), params[name].detach().cpu()) for name in self.trainable_names)
+        with self._gather([params[name] for name in self.trainable_names]):
+            return all(
+                torch.equal(self._own[name].cpu(), params[name].detach().cpu()) for name in self.trainable_names
+            )
+
+
+@contextlib.contextmanager
+def _no_gather(params):
+    yield
+
+
+def _fresh_copy(module: nn.Module, gather) -> nn.Module:
+    """An unsharded copy of a sharded (ZeRO-3) causal LM or PEFT model: built from its config, loaded with its
+    weights gathered one tensor at a time."""
+    is_peft = hasattr(module, "get_base_model") and hasattr(module, "peft_config")
+    base = module.get_base_model() if is_peft else module
+    config = copy.deepcopy(base.config)
+    with _without_zero3_init():
+        fresh = type(base)(config)
+    if is_peft:
+        from peft import get_peft_model
+
+        adapters = list(module.peft_config)
+        fresh = get_peft_model(fresh, module.peft_config[adapters[0]], adapter_name=adapters[0])
+        for name in adapters[1:]:
+            fresh.add_adapter(name, module.peft_config[name])
+    state = {}
+    for name, param in module.named_parameters():
+        with gather([param]):
+            state[name] = param.detach().to("cpu", copy=True)
+    missing, unexpected = fresh.load_state_dict(state, strict=False)
+    missing = [name for name in missing if name in dict(fresh.named_parameters())]
+    if missing or unexpected:
+        raise RuntimeError(f"Could not rebuild the generator's weights: missing {missing}, unexpected {unexpected}.")
+    dtype = next(iter(state.values())).dtype if state else None
+    if dtype is not None and dtype.is_floating_point:
+        fresh = fresh.to(dtype=dtype)
+    _mark_available_for_zero3(fresh)
+    return fresh
+
+
+def _mark_available_for_zero3(module: nn.Module) -> None:
+    """Tell ZeRO-3-aware code (TRL's fused LM head gathers `lm_head` when ZeRO-3 is on) that these whole,
+    unsharded parameters need no gathering."""
+    try:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    except ImportError:  # pragma: no cover - only reached with ZeRO-3, where deepspeed is installed
+        return
+    for param in module.parameters():
+        param.ds_status = ZeroParamStatus.AVAILABLE
+
+
+@contextlib.contextmanager
+def _without_zero3_init():
+    """Build a module unsharded even where transformers would wrap construction in `deepspeed.zero.Init`."""
+    try:
+        from transformers.integrations import deepspeed as hf_deepspeed
+    except ImportError:  # pragma: no cover - transformers without the integration
+        yield
+        return
+    saved = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
 def _module_device(module: nn.Module) -> torch.device:

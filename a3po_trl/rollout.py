@@ -282,6 +282,7 @@ def _generate(settings: RolloutSettings, module, prompt_ids_list, device, should
             attention_mask=mask,
             generation_config=settings.generation_config,
             stopping_criteria=stopping,
+            synced_gpus=False,  # transformers turns it on under ZeRO-3: a collective per token would deadlock here
         )
         generated = output[:, ids.size(1) :]
         is_eos = torch.isin(generated, eos)

@@ -121,13 +121,9 @@ class AsyncA3POTrainer(GRPOTrainer):
                 raise ValueError(
                     f"train_dataset has {len(self.train_dataset)} prompts, fewer than one generation batch needs "
                     f"({prompts_needed} = generation_batch_size {self.args.generation_batch_size} / num_generations "
-                    f"{self.num_generations}). Add prompts or lower per_device_train_batch_size / steps_per_generation."
+                    f"{self.num_generations}). Add prompts or lower per_device_train_batch_size or "
+                    "steps_per_generation."
                 )
-        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
-            raise NotImplementedError(
-                "DeepSpeed ZeRO-3 is not supported yet: the generator's weight copy needs gathered parameters. Use "
-                "ZeRO-2 or DDP."
-            )
         if self.is_fsdp_enabled:
             raise NotImplementedError("FSDP is not supported yet; use DDP or DeepSpeed ZeRO-2.")
 
@@ -144,7 +140,14 @@ class AsyncA3POTrainer(GRPOTrainer):
             add_fused_lm_head(base, temperature=temperature, cast_lm_head_to_fp32=cast_fp32)
 
         device = self.args.generation_device or self.accelerator.device
-        return GeneratorPolicy(self._unwrapped_model(), device=device, patch_fn=patch)
+        gather = None
+        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+            import deepspeed
+
+            def gather(params):
+                return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+        return GeneratorPolicy(self._unwrapped_model(), device=device, patch_fn=patch, gather=gather)
 
     def _rollout_settings(self) -> RolloutSettings:
         tokenizer = copy.deepcopy(self.processing_class)  # the thread gets its own tokenizer

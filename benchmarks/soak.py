@@ -104,6 +104,7 @@ def run_soak(steps: int = 400, max_staleness: int = 4, every: int = 10, warmup_f
         engine = trainer.last_generation_engine
     samples = probe.samples
     warm = samples[max(1, int(len(samples) * warmup_fraction)) - 1]
+    second_half = samples[len(samples) // 2 :]
     report = {
         "steps": steps,
         "max_staleness": max_staleness,
@@ -111,6 +112,7 @@ def run_soak(steps: int = 400, max_staleness: int = 4, every: int = 10, warmup_f
         "rss_after_warmup_mb": warm["rss_mb"],
         "rss_end_mb": samples[-1]["rss_mb"],
         "rss_growth_after_warmup_mb": round(samples[-1]["rss_mb"] - warm["rss_mb"], 1),
+        "rss_slope_second_half_mb_per_100_steps": round(_slope(second_half) * 100, 2),
         "max_queue_depth": engine.queue.max_depth_seen,
         "queue_bound": engine.queue.maxsize,
         "batches_produced": engine.produced,
@@ -124,6 +126,17 @@ def run_soak(steps: int = 400, max_staleness: int = 4, every: int = 10, warmup_f
         "samples": samples,
     }
     return report
+
+
+def _slope(samples) -> float:
+    """Least-squares slope of RSS (MiB) against step."""
+    if len(samples) < 2:
+        return 0.0
+    xs = [s["step"] for s in samples]
+    ys = [s["rss_mb"] for s in samples]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
 
 
 def main():
