@@ -67,7 +67,7 @@ class GeneratorPolicy:
         self._gather = gather or _no_gather
         if gather is None:
             device = torch.device(device) if device is not None else _module_device(module)
-            same_device = device == _module_device(module)
+            same_device = _same_device(device, _module_device(module))
             memo = {}
             if same_device:
                 memo = {id(p): p for p in module.parameters() if not p.requires_grad}
@@ -208,6 +208,21 @@ def _without_zero3_init():
         yield
     finally:
         hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether two devices are the same memory: `cpu` and `cpu:0` are; `cuda` means the current CUDA device."""
+    if a.type != b.type:
+        return False
+    if a.type == "cpu":
+        return True
+
+    def index(device):
+        if device.index is not None:
+            return device.index
+        return torch.cuda.current_device() if device.type == "cuda" else 0
+
+    return index(a) == index(b)
 
 
 def _module_device(module: nn.Module) -> torch.device:

@@ -1,0 +1,82 @@
+"""Train a tiny model under `accelerate launch` and write one JSON report per rank (used by test_distributed.py).
+
+accelerate launch --config_file CONFIG tests/scripts/distributed_tiny.py OUT_DIR [--lora]
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from tiny import length_reward, make_model, make_prompts, make_tokenizer  # noqa: E402
+
+from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer  # noqa: E402
+
+
+def main():
+    out_dir = sys.argv[1]
+    lora = "--lora" in sys.argv
+    tokenizer = make_tokenizer()
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    args = AsyncA3POConfig(
+        output_dir=out_dir,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=4,
+        max_staleness=1,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    trainer = AsyncA3POTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=[length_reward],
+        args=args,
+        train_dataset=make_prompts(32),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
+    trainer.train()
+    policy = trainer.last_generation_engine.policy
+    policy.refresh()  # load the last published weights (version = final global_step)
+    state = trainer.accelerator.state
+    report = {
+        "rank": trainer.accelerator.process_index,
+        "world_size": trainer.accelerator.num_processes,
+        "distributed_type": str(state.distributed_type),
+        "zero_stage": state.deepspeed_plugin.zero_stage if state.deepspeed_plugin else None,
+        "global_step": trainer.state.global_step,
+        "generator_version": policy.version,
+        "generator_checksum": sum(p.double().sum().item() for p in policy.module.parameters()),
+        "generator_matches_trainer": policy.matches(trainer.accelerator.unwrap_model(trainer.model)),
+        "copied_parameters": policy.copied_parameter_count,
+        "shared_parameters": policy.shared_parameter_count,
+        "batches_consumed": trainer.last_generation_engine.consumed,
+        "max_staleness_seen": max(
+            h["a3po/staleness_max"] for h in trainer.state.log_history if "a3po/staleness_max" in h
+        ),
+        "threads_alive": sorted(t.name for t in __import__("threading").enumerate()),
+    }
+    with open(os.path.join(out_dir, f"rank{report['rank']}.json"), "w") as f:
+        json.dump(report, f)
+    # Leave nothing for interpreter exit to tear down: end the process group while every rank is still here.
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Two CPU processes (gloo) under `accelerate launch`: DDP, DeepSpeed ZeRO-2 and ZeRO-3, with and without LoRA.
+
+Each process runs its own generation thread on its own prompts; after training both processes must agree on the
+step count, the generator's version and its weights, and the launcher must exit cleanly.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "distributed_tiny.py")
+
+CONFIGS = {
+    # `--cpu` / MULTI_CPU would start ONE process: MULTI_GPU with use_cpu=True in the training arguments gives
+    # two gloo ranks.
+    "ddp": """
+        distributed_type: MULTI_GPU
+        num_processes: 2
+        gpu_ids: all
+        """,
+    "zero2": """
+        distributed_type: DEEPSPEED
+        deepspeed_config:
+          zero_stage: 2
+          offload_optimizer_device: none
+          offload_param_device: none
+          zero3_init_flag: false
+        num_processes: 2
+        """,
+    "zero3": """
+        distributed_type: DEEPSPEED
+        deepspeed_config:
+          zero_stage: 3
+          offload_optimizer_device: none
+          offload_param_device: none
+          zero3_init_flag: false
+        num_processes: 2
+        """,
+}
+COMMON = """
+compute_environment: LOCAL_MACHINE
+mixed_precision: "no"
+num_machines: 1
+machine_rank: 0
+main_process_port: {port}
+"""
+
+
+def _launch(tmp_path, name, lora, port):
+    config = tmp_path / f"{name}.yaml"
+    config.write_text(COMMON.format(port=port) + textwrap.dedent(CONFIGS[name]))
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), SCRIPT, str(out)]
+    if lora:
+        cmd.append("--lora")
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    return reports
+
+
+@pytest.mark.parametrize(
+    "name, lora",
+    [("ddp", False), ("ddp", True), ("zero2", False), ("zero2", True), ("zero3", False), ("zero3", True)],
+)
+def test_two_processes_train_and_agree(tmp_path, name, lora):
+    port = 29600 + hash((name, lora)) % 300
+    reports = _launch(tmp_path, name, lora, port)
+    first, second = reports
+    assert {r["rank"] for r in reports} == {0, 1}
+    assert all(r["world_size"] == 2 for r in reports)
+    if name != "ddp":
+        assert first["zero_stage"] == second["zero_stage"] == int(name[-1])
+    for r in reports:
+        assert r["global_step"] == 4
+        assert r["generator_version"] == 4
+        assert r["batches_consumed"] == 4
+        assert r["generator_matches_trainer"]
+        assert 0 <= r["max_staleness_seen"] <= 1
+        assert not [t for t in r["threads_alive"] if t.startswith("a3po")]
+    assert first["generator_checksum"] == pytest.approx(second["generator_checksum"], rel=1e-9)
+    if lora:
+        assert first["copied_parameters"] < 0.05 * (first["copied_parameters"] + first["shared_parameters"] + 35168)
+        if name != "zero3":  # ZeRO-3 shards the base, so the generator holds its own unsharded copy of it
+            assert first["shared_parameters"] > 0
