@@ -6,6 +6,7 @@ accelerate launch --config_file CONFIG tests/scripts/distributed_tiny.py OUT_DIR
 import json
 import os
 import sys
+import threading
 
 import torch
 
@@ -67,7 +68,7 @@ def main():
         "max_staleness_seen": max(
             h["a3po/staleness_max"] for h in trainer.state.log_history if "a3po/staleness_max" in h
         ),
-        "threads_alive": sorted(t.name for t in __import__("threading").enumerate()),
+        "threads_alive": sorted(t.name for t in threading.enumerate()),
     }
     with open(os.path.join(out_dir, f"rank{report['rank']}.json"), "w") as f:
         json.dump(report, f)
