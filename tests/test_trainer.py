@@ -23,7 +23,9 @@ COMMON = dict(
 )
 
 
-def make_trainer(tokenizer, tmp_path, reward_funcs=(length_reward,), model=None, dataset=None, **overrides):
+def make_trainer(
+    tokenizer, tmp_path, reward_funcs=(length_reward,), model=None, dataset=None, eval_dataset=None, **overrides
+):
     kwargs = {**COMMON, "max_steps": 4, **overrides}
     args = AsyncA3POConfig(output_dir=str(tmp_path / "out"), **kwargs)
     return AsyncA3POTrainer(
@@ -31,6 +33,7 @@ def make_trainer(tokenizer, tmp_path, reward_funcs=(length_reward,), model=None,
         reward_funcs=list(reward_funcs),
         args=args,
         train_dataset=dataset if dataset is not None else make_prompts(16),
+        eval_dataset=eval_dataset,
         processing_class=tokenizer,
     )
 
@@ -230,3 +233,26 @@ def test_unsupported_settings_are_rejected(tokenizer, tmp_path):
             train_dataset=make_prompts(8),
             processing_class=tokenizer,
         )
+
+
+def test_num_iterations_reuses_batches_with_growing_staleness(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, num_iterations=2, max_staleness=1, max_steps=4)
+    trainer.train()
+    staleness = logged(trainer, "a3po/staleness_max")
+    assert trainer.last_generation_engine.consumed == 2  # each batch trained on twice
+    assert max(staleness) == 1 and len(staleness) == 4
+
+
+def test_evaluation_runs_beside_the_generation_thread(tokenizer, tmp_path):
+    trainer = make_trainer(
+        tokenizer,
+        tmp_path,
+        eval_dataset=make_prompts(8),
+        max_steps=4,
+        eval_strategy="steps",
+        eval_steps=2,
+        per_device_eval_batch_size=4,
+    )
+    trainer.train()
+    assert len(logged(trainer, "eval_loss")) == 2
+    assert len(logged(trainer, "eval_reward")) == 2
