@@ -61,6 +61,10 @@ class AsyncA3POConfig(GRPOConfig):
         generation_poll_interval (`float`, *optional*, defaults to `0.1`):
             Seconds between checks of the generation thread's health while the trainer waits for samples; bounds
             how late an error in the thread is noticed.
+        generation_stop_timeout (`float`, *optional*, defaults to `30.0`):
+            Seconds `train()` waits for the generation thread to finish when it stops (normally, on an exception or
+            on KeyboardInterrupt). A running `generate` call is interrupted at the next token; a reward function that
+            never returns cannot be, and the (daemon) thread is then left behind with a warning.
     """
 
     prox_logp_method: str = field(
@@ -115,6 +119,11 @@ class AsyncA3POConfig(GRPOConfig):
         metadata={"help": "Seconds between health checks of the generation thread while waiting for samples."},
     )
 
+    generation_stop_timeout: float = field(
+        default=30.0,
+        metadata={"help": "Seconds train() waits for the generation thread to stop on exit."},
+    )
+
     def __post_init__(self):
         super().__post_init__()
         if self.prox_logp_method not in PROXIMAL_METHODS:
@@ -140,8 +149,9 @@ class AsyncA3POConfig(GRPOConfig):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value} must be a positive integer or None.")
-        if not self.generation_poll_interval > 0:
-            raise ValueError(f"generation_poll_interval={self.generation_poll_interval} must be positive.")
+        for name in ("generation_poll_interval", "generation_stop_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be a positive number of seconds.")
         local_batch = self.per_device_train_batch_size * self.steps_per_generation
         if local_batch % self.num_generations:
             raise ValueError(

@@ -410,16 +410,20 @@ class GenerationEngine:
         self.consumed += 1
         return batch, time.perf_counter() - start
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Ask the thread to stop (ending a running ``generate`` early) and join it."""
+    def stop(self, timeout: float = 30.0) -> bool:
+        """Ask the thread to stop (ending a running ``generate`` early) and join it.
+
+        Returns whether the thread has ended. A thread stuck in user code (a reward function that never returns)
+        cannot be killed: it is a daemon thread, so it does not keep the process alive, and the caller is told.
+        """
         self.stop_event.set()
         with self._version_cond:
             self._version_cond.notify_all()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
-            if thread.is_alive():
-                raise RuntimeError(f"The generation thread did not stop within {timeout} s.")
+            return not thread.is_alive()
+        return True
 
     @property
     def thread(self) -> threading.Thread | None:

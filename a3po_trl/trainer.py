@@ -15,6 +15,7 @@ Evaluation is unchanged: it generates synchronously through GRPOTrainer's own pa
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 import time
 from collections import defaultdict
@@ -43,6 +44,8 @@ from .generation import (
     staleness_bound_schedule,
 )
 from .rollout import RolloutSettings, run_rollout
+
+logger = logging.getLogger(__name__)
 
 
 class _PublishWeightsCallback(TrainerCallback):
@@ -240,7 +243,12 @@ class AsyncA3POTrainer(GRPOTrainer):
     def _stop_engine(self):
         if self._engine is not None:
             engine, self._engine = self._engine, None
-            engine.stop()
+            if not engine.stop(timeout=self.args.generation_stop_timeout):
+                logger.warning(
+                    "The a3po generation thread did not stop within %s s (stuck in a reward function or generate?); "
+                    "it is a daemon thread and is left behind.",
+                    self.args.generation_stop_timeout,
+                )
 
     def _publish_weights(self):
         if self._engine is not None:

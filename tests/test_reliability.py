@@ -11,7 +11,7 @@ from test_trainer import COMMON, logged, make_trainer
 from tiny import length_reward, make_model, make_prompts
 from transformers import AutoModelForCausalLM, TrainerCallback
 
-from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
+from a3po_trl import AsyncA3POConfig
 
 BAD_CONFIGS = [
     ({"max_staleness": -1}, "max_staleness=-1"),
@@ -24,6 +24,7 @@ BAD_CONFIGS = [
     ({"steps_per_generation": 3, "max_staleness": 1}, "max_staleness=1 is too small"),
     ({"generation_num_threads": 0}, "generation_num_threads=0"),
     ({"generation_poll_interval": 0}, "generation_poll_interval=0"),
+    ({"generation_stop_timeout": -1}, "generation_stop_timeout=-1"),
 ]
 
 
@@ -213,3 +214,25 @@ def test_thread_on_runs_are_reproducible_within_tolerance(tokenizer, tmp_path):
         assert max(logged(trainer, "a3po/staleness_max")) <= 2
         rewards.append(sum(logged(trainer, "reward")) / 6)
     assert abs(rewards[0] - rewards[1]) <= 0.15, rewards
+
+
+def test_sigint_while_waiting_for_generation_joins_thread_quickly(tokenizer, tmp_path):
+    """A real Ctrl-C (SIGINT to the process) while the trainer waits on a slow generator stops everything."""
+    import signal
+    import time
+
+    def slow_reward(completions, **kwargs):
+        time.sleep(0.5)
+        return [0.0] * len(completions)
+
+    trainer = make_trainer(tokenizer, tmp_path, reward_funcs=(slow_reward,), max_staleness=0, max_steps=50)
+    timer = threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    start = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    elapsed = time.perf_counter() - start
+    timer.cancel()
+    assert _no_generation_thread_alive()
+    assert elapsed < 2.0 + 10.0  # liveness bound, generous for a loaded machine: no hang
+    assert trainer.state.global_step < 50
