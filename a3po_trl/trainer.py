@@ -96,6 +96,7 @@ class AsyncA3POTrainer(GRPOTrainer):
         _check_train_dataset(train_dataset)
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, **kwargs)
         self._check_supported_after_init()
+        self._warn_about_biased_sampling()
 
         self._engine: GenerationEngine | None = None
         self.last_generation_engine: GenerationEngine | None = None
@@ -109,6 +110,25 @@ class AsyncA3POTrainer(GRPOTrainer):
         self.add_callback(_PublishWeightsCallback(self))
 
     # ---- validation ------------------------------------------------------------------------------------------------
+    def _warn_about_biased_sampling(self):
+        """Behavior log-probs score the temperature-scaled distribution; truncated sampling draws from another one."""
+        truncations = []
+        if self.top_p is not None and self.top_p < 1.0:
+            truncations.append(f"top_p={self.top_p}")
+        if self.top_k:
+            truncations.append(f"top_k={self.top_k}")
+        if self.min_p:
+            truncations.append(f"min_p={self.min_p}")
+        if self.repetition_penalty not in (None, 1.0):
+            truncations.append(f"repetition_penalty={self.repetition_penalty}")
+        if truncations:
+            logger.warning(
+                "Sampling with %s draws tokens from a different distribution than the temperature-scaled one the "
+                "behavior and training log-probs are computed from, which biases the importance ratios. Unset them "
+                "(top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0) for unbiased A-3PO updates.",
+                ", ".join(truncations),
+            )
+
     def _check_supported_after_init(self):
         if self._is_vlm:
             raise NotImplementedError(

@@ -256,3 +256,9 @@ def test_evaluation_runs_beside_the_generation_thread(tokenizer, tmp_path):
     trainer.train()
     assert len(logged(trainer, "eval_loss")) == 2
     assert len(logged(trainer, "eval_reward")) == 2
+
+
+def test_truncated_sampling_warns(tokenizer, tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="a3po_trl.trainer"):
+        make_trainer(tokenizer, tmp_path, top_p=0.9, top_k=20)
+    assert "top_p=0.9, top_k=20" in caplog.text and "biases the importance ratios" in caplog.text
