@@ -18,9 +18,10 @@ def _adapter_and_base_sizes(model):
 
 
 def _lora_trainer(tokenizer, tmp_path, **overrides):
-    from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
     from test_trainer import COMMON
     from tiny import length_reward, make_prompts
+
+    from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
 
     kwargs = {**COMMON, "max_steps": 3, **overrides}
     return AsyncA3POTrainer(
@@ -54,9 +55,10 @@ def test_generator_shares_base_and_copies_only_the_adapter(tokenizer, tmp_path):
 
 
 def test_ready_peft_model_and_beta_uses_adapter_disabled_reference(tokenizer, tmp_path):
-    from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
     from test_trainer import COMMON
     from tiny import length_reward, make_prompts
+
+    from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
 
     base = make_model(tokenizer)
     base_reference = copy.deepcopy(base)
