@@ -43,6 +43,7 @@ from .generation import (
     repeated_prompt_batches,
     staleness_bound_schedule,
 )
+from .metrics import batch_metrics, loss_metrics
 from .rollout import RolloutSettings, run_rollout
 
 logger = logging.getLogger(__name__)
@@ -346,62 +347,28 @@ class AsyncA3POTrainer(GRPOTrainer):
             torch.cuda.synchronize(self.accelerator.device)
 
     def _log_batch_metrics(self, scored, data, waited, is_truncated, is_std_zero):
-        metrics = self._metrics["train"]
-        accelerator = self.accelerator
-        device = accelerator.device
-        lengths = data["completion_mask"].sum(1).float()
-        raw_lengths = (data["completion_ids"] != self._tokenizer.pad_token_id).sum(1).float()
-        gathered_lengths = accelerator.gather(torch.maximum(lengths, raw_lengths))
-        gathered_truncated = accelerator.gather(is_truncated.float())
-        prompt_tokens = accelerator.gather(data["prompt_mask"].sum()).sum()
-        self.state.num_input_tokens_seen += (prompt_tokens + gathered_lengths.sum()).item()
-        metrics["num_tokens"] = [self.state.num_input_tokens_seen]
-        metrics["completions/mean_length"].append(gathered_lengths.mean().item())
-        metrics["completions/min_length"].append(gathered_lengths.min().item())
-        metrics["completions/max_length"].append(gathered_lengths.max().item())
-        metrics["completions/clipped_ratio"].append(gathered_truncated.mean().item())
-
-        rewards_per_func = accelerator.gather(scored.rewards_per_func.to(device))
-        weights = self.reward_weights.to(device)
-        for i, name in enumerate(self.reward_func_names):
-            metrics[f"rewards/{name}/mean"].append(torch.nanmean(rewards_per_func[:, i]).item())
-            metrics[f"rewards/{name}/std"].append(_nanstd(rewards_per_func[:, i]).item())
-        rewards = (rewards_per_func * weights).nansum(dim=1)
-        rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
-        metrics["reward"].append(torch.nanmean(rewards).item())
-        metrics["reward_std"].append(_nanstd(rewards).item())
-        metrics["frac_reward_zero_std"].append(accelerator.gather(is_std_zero.float()).mean().item())
-
-        timings = torch.tensor(
-            [
-                scored.timings.get("generation", 0.0),
-                scored.timings.get("behavior_logps", 0.0),
-                scored.timings.get("rewards", 0.0),
-                scored.timings.get("generator_wait_for_staleness_bound", 0.0),
-                waited,
-                float(len(self._engine.queue)),
-                float(scored.version),
-                float(gathered_lengths.sum().item()),
-            ],
-            device=device,
+        values, tokens_seen, rewards_per_func = batch_metrics(
+            self.accelerator,
+            scored,
+            data,
+            waited=waited,
+            is_truncated=is_truncated,
+            is_std_zero=is_std_zero,
+            queue_depth=len(self._engine.queue),
+            reward_weights=self.reward_weights,
+            reward_func_names=self.reward_func_names,
+            pad_token_id=self._tokenizer.pad_token_id,
         )
-        timings = accelerator.reduce(timings, reduction="mean")
-        metrics["async/generation_time"].append(timings[0].item())
-        metrics["async/behavior_logps_time"].append(timings[1].item())
-        metrics["async/reward_time"].append(timings[2].item())
-        metrics["async/generator_wait_time"].append(timings[3].item())
-        metrics["async/trainer_wait_time"].append(timings[4].item())
-        metrics["async/queue_depth"].append(timings[5].item())
-        metrics["async/generator_version"].append(timings[6].item())
-        if timings[0].item() > 0:
-            metrics["async/completion_tokens_per_second"].append(timings[7].item() / timings[0].item())
-        metrics["async/weight_sync_time"].append(self._weight_sync_seconds)
+        self.state.num_input_tokens_seen += tokens_seen
+        metrics = self._metrics["train"]
+        metrics["num_tokens"] = [self.state.num_input_tokens_seen]
+        values["async/weight_sync_time"] = self._weight_sync_seconds
         self._weight_sync_seconds = 0.0
         with self._generator_metrics_lock:
-            for name, values in self._generator_metrics.items():
-                if values:
-                    metrics[name].append(sum(values) / len(values))
+            values.update({name: sum(v) / len(v) for name, v in self._generator_metrics.items() if v})
             self._generator_metrics.clear()
+        for name, value in values.items():
+            metrics[name].append(value)
 
         if self.log_completions:
             from accelerate.utils import gather_object
@@ -410,7 +377,7 @@ class AsyncA3POTrainer(GRPOTrainer):
             self._logs["completion"].extend(gather_object(scored.texts["completion"]))
             for i, name in enumerate(self.reward_func_names):
                 self._logs["rewards"][name].extend(rewards_per_func[:, i].tolist())
-            self._logs["advantages"].extend(accelerator.gather(data["advantages"]).tolist())
+            self._logs["advantages"].extend(self.accelerator.gather(data["advantages"]).tolist())
 
     # ---- loss ------------------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -484,65 +451,13 @@ class AsyncA3POTrainer(GRPOTrainer):
         return loss
 
     def _log_loss_metrics(self, mode, mask, staleness, entropies, stats, per_token_kl):
-        """Reduce every loss-time statistic across processes in one collective, then record it."""
-        mask_b = mask.bool()
-        mask_f = mask_b.float()
-        staleness_tok = staleness.unsqueeze(1).expand_as(mask_f).float() if staleness.dim() == 1 else staleness.float()
-        weight = 1.0 / staleness_tok.clamp(min=1.0)
-        rho = stats["behavior_weight"]
-        count = mask_f.sum()
-        max_staleness = self.args.max_staleness
-        hist = [((staleness_tok == d) & mask_b).float().sum() for d in range(max_staleness + 1)]
-        sums = torch.stack(
-            [
-                count,
-                (staleness_tok * mask_f).sum(),
-                (weight * mask_f).sum(),
-                (rho * mask_f).sum(),
-                (mask_b & ~stats["keep"]).float().sum(),
-                stats["is_low_clipped"].float().sum(),
-                stats["is_high_clipped"].float().sum(),
-                (entropies.detach() * mask_f).sum(),
-                stats["nonfinite_behavior"].float().sum(),
-                (per_token_kl.detach() * mask_f).sum() if per_token_kl is not None else count.new_zeros(()),
-                *hist,
-            ]
+        values = loss_metrics(
+            self.accelerator, mask, staleness, entropies, stats, per_token_kl, max_staleness=self.args.max_staleness
         )
-        maxima = torch.stack(
-            [
-                torch.where(mask_b, staleness_tok, torch.zeros_like(staleness_tok)).max(),
-                torch.where(mask_b, rho, torch.zeros_like(rho)).max(),
-            ]
-        )
-        sums = self.accelerator.reduce(sums, reduction="sum")
-        maxima = self.accelerator.gather(maxima.unsqueeze(0)).max(dim=0).values
-        total = sums[0].clamp(min=1.0)
-        metrics = self._metrics[mode]
-        metrics["a3po/staleness_mean"].append((sums[1] / total).item())
-        metrics["a3po/staleness_max"].append(maxima[0].item())
-        for d in range(max_staleness + 1):
-            metrics[f"a3po/staleness_frac_{d}"].append((sums[10 + d] / total).item())
-        metrics["a3po/behavior_policy_weight_mean"].append((sums[2] / total).item())
-        metrics["a3po/importance_weight_mean"].append((sums[3] / total).item())
-        metrics["a3po/importance_weight_max"].append(maxima[1].item())
-        metrics["a3po/importance_weight_masked_frac"].append((sums[4] / total).item())
-        metrics["clip_ratio/low_mean"].append((sums[5] / total).item())
-        metrics["clip_ratio/high_mean"].append((sums[6] / total).item())
-        metrics["clip_ratio/region_mean"].append(((sums[5] + sums[6]) / total).item())
-        metrics["entropy"].append((sums[7] / total).item())
-        metrics["a3po/nonfinite_behavior_tokens"].append(sums[8].item())
-        if per_token_kl is not None:
-            metrics["kl"].append((sums[9] / total).item())
         counters = self._a3po_counters
-        metrics["a3po/prox_time"].append(
-            counters.pop("loglinear_seconds", 0.0) + counters.pop("recompute_seconds", 0.0)
-        )
-
-
-def _nanstd(values: torch.Tensor) -> torch.Tensor:
-    from trl.trainer.utils import nanstd
-
-    return nanstd(values) if values.numel() > 1 else torch.zeros((), device=values.device)
+        values["a3po/prox_time"] = counters.pop("loglinear_seconds", 0.0) + counters.pop("recompute_seconds", 0.0)
+        for name, value in values.items():
+            self._metrics[mode][name].append(value)
 
 
 _UNSUPPORTED_ARGS = {
