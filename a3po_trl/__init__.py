@@ -1,6 +1,7 @@
 """a3po-trl: asynchronous RL post-training of LLMs with A-3PO, as a drop-in TRL trainer."""
 
 from .config import AsyncA3POConfig
+from .evaluation import evaluate_accuracy
 from .functional import (
     CAP_MODES,
     LOSS_TYPES,
@@ -14,6 +15,7 @@ from .functional import (
     staleness_weight,
 )
 from .generation import GenerationEngine, GeneratorPolicy, ScoredBatch, VersionedSampleQueue
+from .plotting import plot_training
 from .trainer import AsyncA3POTrainer
 
 __version__ = "0.1.0"
@@ -35,4 +37,6 @@ __all__ = [
     "kl_to_reference",
     "proximal_approximation_error",
     "staleness_weight",
+    "evaluate_accuracy",
+    "plot_training",
 ]

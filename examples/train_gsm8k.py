@@ -1,0 +1,326 @@
+"""Train a small LM on math word problems with asynchronous A-3PO, and measure held-out accuracy before and after.
+
+The main job of a3po-trl. With no arguments it trains the offline SmolLM2-135M-Instruct on generated GSM8K-style
+problems on CPU or GPU (see docs/USAGE.md for the measured numbers):
+
+    python examples/train_gsm8k.py --output_dir outputs/demo
+
+Every `AsyncA3POConfig` field (hence every `GRPOConfig` / `TrainingArguments` field) and every `trl.ModelConfig`
+field (`--model_name_or_path`, `--use_peft`, `--lora_r`, ...) is a command-line flag, as in TRL's own scripts; a
+YAML file can hold them too (`--config recipe.yaml`). Examples:
+
+    # LoRA on the real GSM8K (from the hub, or a local .jsonl/.parquet file or save_to_disk directory)
+    python examples/train_gsm8k.py --dataset openai/gsm8k --use_peft --lora_r 16 --max_steps 200
+    # two processes on one CPU machine (DDP over gloo); only the main process evaluates and writes files
+    accelerate launch --multi_gpu --num_processes 2 examples/train_gsm8k.py --use_cpu --max_steps 10
+    # several GPUs
+    accelerate launch --config_file examples/accelerate_configs/multi_gpu.yaml examples/train_gsm8k.py
+
+Rewards: `correctness_reward` (1.0 for the right final number) + `format_reward` (0.5 for a marked final answer).
+Output directory: the trained model or LoRA adapter with its tokenizer, `metrics.jsonl` (every log entry and the
+accuracy evaluations), `training.png` (reward, accuracy, staleness, step time) and `results.json` (summary).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
+
+from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer, evaluate_accuracy, plot_training
+from a3po_trl.evaluation import paired_accuracy_test
+from a3po_trl.models import DEFAULT_MODEL, resolve_model_path
+from a3po_trl.rewards import correctness_reward, format_reward
+from a3po_trl.tasks import load_gsm8k, make_math_splits
+
+#: System prompt of the demo: short answers fit the small completion budget a CPU run can afford.
+DEMO_SYSTEM_PROMPT = "Answer briefly. End with '#### <number>'."
+
+
+@dataclass
+class DemoArguments:
+    """Data and evaluation options of the example (the training options are `AsyncA3POConfig`'s)."""
+
+    dataset: str = field(
+        default="builtin",
+        metadata={
+            "help": "'builtin' (generated GSM8K-style problems, offline), 'gsm8k' (openai/gsm8k from the hub), or a "
+            "hub dataset name / local .json/.jsonl/.parquet/.csv file / save_to_disk directory in GSM8K's schema."
+        },
+    )
+    difficulty: str = field(default="easy", metadata={"help": "Builtin problems: easy, medium, hard, or 1-5."})
+    num_train: int = field(default=1000, metadata={"help": "Number of training problems."})
+    num_eval: int = field(default=200, metadata={"help": "Number of held-out problems for the accuracy evaluation."})
+    dataset_seed: int = field(default=0, metadata={"help": "Seed of the generated problems and of the data split."})
+    system_prompt: str | None = field(
+        default=DEMO_SYSTEM_PROMPT,
+        metadata={"help": "System message placed before every problem; '' for none (the model's default)."},
+    )
+    accuracy_max_new_tokens: int | None = field(
+        default=None, metadata={"help": "Greedy tokens per held-out problem; default: max_completion_length."}
+    )
+    accuracy_batch_size: int = field(default=50, metadata={"help": "Held-out problems decoded together."})
+    accuracy_before: bool = field(default=True, metadata={"help": "Evaluate held-out accuracy before training."})
+    accuracy_after: bool = field(default=True, metadata={"help": "Evaluate held-out accuracy after training."})
+    metrics_file: str = field(default="metrics.jsonl", metadata={"help": "JSONL metrics file in output_dir."})
+    plot_file: str = field(default="training.png", metadata={"help": "PNG plot file in output_dir."})
+
+
+def _flag_is_set(argv: list[str], name: str) -> bool:
+    """Whether a boolean flag ``--name`` is turned on in ``argv`` (``--name``, ``--name true``, ``--name=1``)."""
+    for index, arg in enumerate(argv):
+        if arg == f"--{name}":
+            following = argv[index + 1].lower() if index + 1 < len(argv) else ""
+            return following not in ("false", "0", "no")
+        if arg.startswith(f"--{name}="):
+            return arg.split("=", 1)[1].lower() not in ("false", "0", "no")
+    return False
+
+
+def demo_defaults(argv: list[str] | None = None) -> dict:
+    """Defaults of this script that differ from `AsyncA3POConfig`'s / `ModelConfig`'s (a CPU-friendly demo).
+
+    On CPU (no CUDA device, or ``--use_cpu``): bf16 off (GRPOConfig turns it on by default, which makes CPU runs
+    slow), and the cores of this process split between the generation thread and the training thread.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    on_cpu = not torch.cuda.is_available() or _flag_is_set(argv, "use_cpu")
+    defaults = dict(
+        model_name_or_path=DEFAULT_MODEL,
+        output_dir="outputs/train_gsm8k",
+        learning_rate=2e-5,
+        max_steps=40,
+        per_device_train_batch_size=8,
+        num_generations=8,
+        max_completion_length=64,
+        temperature=0.8,
+        max_staleness=1,
+        gradient_checkpointing=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=42,
+    )
+    if on_cpu:
+        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        cores = max(1, (os.cpu_count() or 1) // local_processes)
+        generation_threads = max(1, cores // 2)
+        defaults.update(
+            bf16=False,
+            generation_num_threads=generation_threads,
+            training_num_threads=max(1, cores - generation_threads),
+        )
+    return defaults
+
+
+def make_parser() -> TrlParser:
+    """TRL's parser over (DemoArguments, AsyncA3POConfig, ModelConfig), with this script's defaults."""
+    parser = TrlParser((DemoArguments, AsyncA3POConfig, ModelConfig))
+    parser.set_defaults(**demo_defaults())
+    return parser
+
+
+def load_data(demo_args: DemoArguments):
+    """(train, held-out) datasets with ``prompt``/``question``/``answer`` columns."""
+    system_prompt = demo_args.system_prompt or None
+    if demo_args.dataset == "builtin":
+        difficulty = int(demo_args.difficulty) if demo_args.difficulty.isdigit() else demo_args.difficulty
+        return make_math_splits(
+            demo_args.num_train, demo_args.num_eval, difficulty, demo_args.dataset_seed, system_prompt=system_prompt
+        )
+    source = "openai/gsm8k" if demo_args.dataset == "gsm8k" else demo_args.dataset
+    train = load_gsm8k(source, split="train", system_prompt=system_prompt)
+    try:
+        held_out = load_gsm8k(source, split="test", system_prompt=system_prompt)
+        if Path(source).is_file():  # a single file holds one split: carve the held-out problems out of it
+            raise ValueError(source)
+    except ValueError:
+        parts = train.train_test_split(test_size=demo_args.num_eval, seed=demo_args.dataset_seed)
+        train, held_out = parts["train"], parts["test"]
+    train = train.shuffle(seed=demo_args.dataset_seed).select(range(min(demo_args.num_train, len(train))))
+    held_out = held_out.shuffle(seed=demo_args.dataset_seed).select(range(min(demo_args.num_eval, len(held_out))))
+    return train, held_out
+
+
+class JsonlMetricsCallback(TrainerCallback):
+    """Appends every log entry (with its step) to a JSONL file, on the main process only."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs:
+            write_jsonl(self.path, {"step": state.global_step, **logs})
+
+
+def write_jsonl(path: Path, record: dict) -> None:
+    """Append one JSON record to ``path``."""
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(record, default=float) + "\n")
+
+
+def strip_quantization_config(model_dir: str) -> None:
+    """Remove a leftover ``quantization_config`` from a fully fine-tuned model's saved config.json."""
+    config_path = Path(model_dir) / "config.json"
+    if config_path.is_file():
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        if config.pop("quantization_config", None) is not None:
+            config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _accuracy(trainer, dataset, demo_args, training_args, label: str) -> dict:
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    result = evaluate_accuracy(
+        model,
+        trainer.processing_class,
+        dataset,
+        max_new_tokens=demo_args.accuracy_max_new_tokens or training_args.max_completion_length,
+        batch_size=demo_args.accuracy_batch_size,
+    )
+    print(
+        f"[accuracy {label}] {result['accuracy']:.1%} +- {result['stderr']:.1%} "
+        f"({result['num_correct']}/{result['count']} held-out problems, {result['seconds']:.0f} s)",
+        flush=True,
+    )
+    return result
+
+
+def main(demo_args: DemoArguments, training_args: AsyncA3POConfig, model_args: ModelConfig) -> dict:
+    """Evaluate, train, evaluate, save; returns the summary written to ``results.json`` (main process)."""
+    started = time.perf_counter()
+    model_path = resolve_model_path(model_args.model_name_or_path)
+    model_init_kwargs = dict(
+        revision=model_args.model_revision,
+        trust_remote_code=training_args.trust_remote_code,
+        attn_implementation=model_args.attn_implementation,
+        dtype=model_args.dtype,
+    )
+    model_init_kwargs.update(training_args.model_init_kwargs or {})
+    training_args.model_init_kwargs = model_init_kwargs
+
+    train_dataset, eval_dataset = load_data(demo_args)
+    trainer = AsyncA3POTrainer(
+        model=model_path,
+        reward_funcs=[correctness_reward, format_reward],
+        args=training_args,
+        train_dataset=train_dataset,
+        quantization_config=get_quantization_config(model_args),
+        peft_config=get_peft_config(model_args),
+    )
+    accelerator = trainer.accelerator
+    is_main = accelerator.is_main_process
+    output_dir = Path(training_args.output_dir)
+    metrics_path = output_dir / demo_args.metrics_file
+    if is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        metrics_path.unlink(missing_ok=True)
+        method = f"LoRA r={model_args.lora_r}" if model_args.use_peft else "full fine-tuning"
+        print(
+            f"Model {model_args.model_name_or_path} ({method}), {len(train_dataset)} training / {len(eval_dataset)} "
+            f"held-out problems, {accelerator.num_processes} process(es) on {accelerator.device}, "
+            f"{training_args.max_steps} steps, seed {training_args.seed}",
+            flush=True,
+        )
+    trainer.add_callback(JsonlMetricsCallback(metrics_path))
+
+    evaluations = {}
+    if is_main and demo_args.accuracy_before:
+        evaluations["before"] = _accuracy(trainer, eval_dataset, demo_args, training_args, "before")
+        write_jsonl(metrics_path, {"step": 0, "label": "before", **_record(evaluations["before"])})
+    accelerator.wait_for_everyone()
+
+    train_started = time.perf_counter()
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    train_seconds = time.perf_counter() - train_started
+    print(
+        f"[rank {accelerator.process_index}/{accelerator.num_processes}] training done: "
+        f"global_step={trainer.state.global_step}",
+        flush=True,
+    )
+
+    if is_main and demo_args.accuracy_after:
+        evaluations["after"] = _accuracy(trainer, eval_dataset, demo_args, training_args, "after")
+        write_jsonl(
+            metrics_path, {"step": trainer.state.global_step, "label": "after", **_record(evaluations["after"])}
+        )
+    accelerator.wait_for_everyone()
+
+    trainer.save_model(training_args.output_dir)
+    summary = {}
+    if is_main:
+        if not model_args.use_peft:
+            strip_quantization_config(training_args.output_dir)
+        plot_path = plot_training(metrics_path, output_dir / demo_args.plot_file, title="A-3PO on math problems")
+        summary = _summary(evaluations, trainer, training_args, model_args, demo_args, started, train_seconds)
+        summary["plot"], summary["model_dir"], summary["metrics"] = str(plot_path), str(output_dir), str(metrics_path)
+        (output_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        _print_summary(summary)
+    accelerator.wait_for_everyone()
+    trainer.end()
+    return summary
+
+
+def _record(result: dict) -> dict:
+    keys = ("accuracy", "stderr", "count", "num_correct", "mean_completion_tokens", "seconds")
+    return {key: result[key] for key in keys}
+
+
+def _summary(evaluations, trainer, training_args, model_args, demo_args, started, train_seconds) -> dict:
+    summary = {
+        "model": model_args.model_name_or_path,
+        "lora": bool(model_args.use_peft),
+        "dataset": demo_args.dataset,
+        "difficulty": demo_args.difficulty,
+        "seed": training_args.seed,
+        "dataset_seed": demo_args.dataset_seed,
+        "global_step": trainer.state.global_step,
+        "num_processes": trainer.accelerator.num_processes,
+        "train_seconds": train_seconds,
+        "total_seconds": time.perf_counter() - started,
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+    for label, result in evaluations.items():
+        summary[label] = {**_record(result), "samples": result["samples"], "correct": result["correct"]}
+    if "before" in evaluations and "after" in evaluations:
+        summary["paired_test"] = paired_accuracy_test(
+            evaluations["before"]["correct"], evaluations["after"]["correct"]
+        )
+    return summary
+
+
+def _print_summary(summary: dict) -> None:
+    lines = ["", "=" * 72]
+    for label in ("before", "after"):
+        if label in summary:
+            result = summary[label]
+            lines.append(
+                f"Held-out accuracy {label + ':':7} {result['accuracy']:6.1%} +- {result['stderr']:.1%} "
+                f"(n={result['count']})"
+            )
+    if "paired_test" in summary:
+        test = summary["paired_test"]
+        lines.append(
+            f"Gain: {test['gain']:+.1%} +- {test['stderr']:.1%} (paired; {test['improved']} problems fixed, "
+            f"{test['regressed']} broken, McNemar p={test['p_value']:.2g})"
+        )
+    lines.append(
+        f"Run time: {summary['total_seconds'] / 60:.1f} min in total, {summary['train_seconds'] / 60:.1f} min "
+        f"training ({summary['global_step']} steps)"
+    )
+    lines.append(f"Plot:    {summary['plot']}")
+    lines.append(f"Model:   {summary['model_dir']}{' (LoRA adapter)' if summary['lora'] else ''}")
+    lines.append(f"Metrics: {summary['metrics']}")
+    lines.append("=" * 72)
+    print("\n".join(lines), flush=True)
+
+
+if __name__ == "__main__":
+    demo_args, training_args, model_args = make_parser().parse_args_and_config()
+    main(demo_args, training_args, model_args)
