@@ -1,0 +1,198 @@
+"""benchmarks/compare.py: the plan covers every configuration, and a short run writes a complete, sane report.
+
+Timings are never asserted (the machine is shared and small); only that they were measured and are positive.
+"""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "compare.py")
+STALENESS = (0, 1, 2, 4)
+
+
+def load_compare():
+    spec = importlib.util.spec_from_file_location("a3po_compare", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def expected_names(single_thread_trl: bool) -> set[str]:
+    names = {"microbench", "trl", "pieces-loglinear", "pieces-recompute"}
+    names |= {f"{method}-s{d}" for method in ("recompute", "loglinear") for d in STALENESS}
+    return names | ({"trl-t1"} if single_thread_trl else set())
+
+
+def test_quick_plan_keeps_every_configuration():
+    compare = load_compare()
+    options = compare.parse_args(["--quick"])
+    plan = compare.build_plan(options)
+    assert options.model == "tiny" and options.staleness == list(STALENESS)
+    assert options.steps > options.warmup_steps
+    assert {c["name"] for c in plan} == expected_names((os.cpu_count() or 1) > 1)
+    assert len(plan) == len({c["run_id"] for c in plan})
+    assert all(c["threads"]["training"] == 1 and c["threads"]["generation"] == 1 for c in plan if c["kind"] == "a3po")
+    assert compare.common_settings(options)["bf16"] is False  # GRPOConfig's bf16=True default is overridden on CPU
+
+
+def test_extra_seeds_only_for_the_selected_configurations():
+    compare = load_compare()
+    options = compare.parse_args(
+        ["--model", "smollm2", "--seeds", "3", "--sync-threads", "2", "--extra-seeds-for", "trl,loglinear-s1"]
+    )
+    plan = compare.build_plan(options)
+    repeated = {c["run_id"] for c in plan if c["seed"] > 0}
+    assert repeated == {f"{n}@seed{s}" for n in ("trl", "trl-t1", "loglinear-s1") for s in (1, 2)}
+    assert sum(c["name"] == "microbench" for c in plan) == 1
+    assert options.batch_size == 8 and options.num_generations == 8 and options.max_completion_length == 32
+
+
+def run_compare(tmp_path, *args, name="bench", timeout=900):
+    out = tmp_path / "results"
+    command = [sys.executable, SCRIPT, "--quiet-wait", "0", "--out", str(out), "--name", name, *args]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    with open(out / f"{name}.json") as f:
+        report = json.load(f)
+    return report, out
+
+
+def positive(value) -> bool:
+    return value is not None and math.isfinite(value) and value > 0
+
+
+def non_negative(value) -> bool:
+    return value is not None and math.isfinite(value) and value >= 0
+
+
+def check_files(out):
+    with open(out / "bench.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    markdown = (out / "bench.md").read_text()
+    assert "| config |" in markdown and "## Targets" in markdown
+    return markdown
+
+
+def check_training_config(name, config, report):
+    kind, staleness = config["kind"], config["max_staleness"]
+    for key in ("step_time_median", "step_time_mean", "generation_time", "completion_tokens_per_second"):
+        assert positive(config[key]), (name, key, config[key])
+    assert positive(config["generation_tokens_per_second"]), name
+    assert positive(config["peak_rss_mb"]), name
+    assert config["reward_final_mean"] is not None and math.isfinite(config["reward_final_mean"]), name
+    assert len(config["reward_final_values"]) == len(config["seeds"]) >= 1
+    assert non_negative(config["reward_time"]), name
+    assert 0 <= config["clip_ratio_low"] <= 1 and 0 <= config["clip_ratio_high"] <= 1, name
+    if staleness == 0:
+        assert config["staleness_mean"] == 0 and config["staleness_max"] == 0, name
+    if kind == "trl":
+        assert config["threads"]["process"] >= 1
+        return
+    assert staleness is not None and 0 <= config["staleness_mean"] <= config["staleness_max"] <= staleness, name
+    for key in ("prox_time", "trainer_wait_time", "generator_wait_time", "weight_sync_time", "behavior_logps_time"):
+        assert non_negative(config[key]), (name, key, config[key])
+    assert positive(config["prox_time"]), name  # the interpolation or the forward was timed
+    assert positive(config["importance_weight_mean"]) and positive(config["importance_weight_max"]), name
+    assert 0 <= config["importance_weight_masked_frac"] <= 1, name
+    if staleness == 0:
+        assert abs(config["importance_weight_max"] - 1.0) < 1e-3, name  # on-policy: pi_prox == pi_behav
+    assert config["threads"]["training"] == 1
+    if kind == "pieces":
+        assert positive(config["generation_piece"]) and positive(config["training_piece"]), name
+    else:
+        assert config["threads"]["generation"] == 1
+
+
+def check_runs(report):
+    for run in report["runs"]:
+        assert len(run["step_times"]) == run["steps_done"] == report["meta"]["steps"], run["run_id"]
+        assert all(positive(t) for t in run["step_times"]), run["run_id"]
+        if run["engine"] is not None:  # nothing generated was dropped, the queue stayed within its bound
+            engine = run["engine"]
+            assert engine["produced"] == engine["consumed"] == engine["num_batches"], run["run_id"]
+            assert engine["max_queue_depth"] <= engine["queue_bound"] == run["max_staleness"] + 1
+        assert run["peak_rss_method"]
+
+
+def test_quick_benchmark_writes_a_complete_report(tmp_path):
+    """Every configuration kind, on the tiny model, in one shared worker process (fast start-up)."""
+    report, out = run_compare(
+        tmp_path,
+        "--quick",
+        "--isolation",
+        "shared",
+        "--steps",
+        "3",
+        "--warmup-steps",
+        "1",
+        "--sync-threads",
+        "1",
+        "--seeds",
+        "2",
+        "--extra-seeds-for",
+        "loglinear-s1,recompute-s1",
+    )
+    assert report["errors"] == []
+    markdown = check_files(out)
+    meta = report["meta"]
+    assert meta["bf16"] is False and meta["device"] == "cpu" and meta["model_key"] == "tiny"
+    assert meta["threads"] == {"trl": 1, "a3po_training": 1, "a3po_generation": 1, "pieces": 1}
+    assert meta["staleness"] == list(STALENESS) and meta["steps"] == 3
+    assert set(report["configs"]) | {"microbench"} == expected_names(single_thread_trl=False)
+    for name, config in report["configs"].items():
+        check_training_config(name, config, report)
+        assert f"| {name} |" in markdown
+    check_runs(report)
+
+    micro = report["microbench"]
+    assert micro["batch_shape"] == [
+        meta["batch"]["per_device_train_batch_size"],
+        meta["batch"]["max_completion_length"],
+    ]
+    for row in micro["by_threads"]:
+        assert positive(row["recompute_seconds"]) and positive(row["loglinear_seconds"]) and positive(row["ratio"])
+
+    for method in ("recompute", "loglinear"):
+        pipeline = report["pipeline"][method]
+        assert positive(pipeline["generation_alone"]) and positive(pipeline["training_alone"])
+        assert pipeline["ideal_pipelined"] == max(pipeline["generation_alone"], pipeline["training_alone"])
+        assert set(pipeline["achieved"]) == {str(d) for d in STALENESS}
+        assert all(positive(a["ratio_to_ideal"]) for a in pipeline["achieved"].values())
+    assert report["baseline"] == "trl"
+    assert all(positive(report["speedup_vs_trl"][n]) for n in report["configs"])
+    assert set(report["reward_comparison"]) == {str(d) for d in STALENESS}
+    comparison = report["reward_comparison"]["1"]  # two seeds: run-to-run noise measured
+    assert comparison["n_seeds"] == [2, 2] and comparison["within_noise"] in (True, False)
+    assert report["configs"]["loglinear-s1"]["seeds"] == [0, 1] and report["configs"]["trl"]["seeds"] == [0]
+    kinds = {t["target"].split(" ")[0] for t in report["targets"]}
+    assert {"loglinear", "recompute-s1", "loglinear-s1"} <= kinds
+    assert all(t["met"] in (True, False, None) for t in report["targets"])
+
+
+def test_fresh_subprocess_per_configuration_and_merge(tmp_path):
+    """The default isolation (one fresh subprocess per configuration, peak RSS from its ru_maxrss), in two
+    invocations: the second reruns nothing of the first and merges its runs (--merge-from)."""
+    common = ("--quick", "--sync-threads", "1", "--steps", "3", "--warmup-steps", "1")
+    first, out = run_compare(tmp_path, *common, "--configs", "trl", name="first")
+    assert set(first["configs"]) == {"trl"} and not os.path.exists(out / "first.partial.json")
+    report, out = run_compare(
+        tmp_path, *common, "--configs", "loglinear-s2", "--merge-from", str(out / "first.json"), name="bench"
+    )
+    assert report["errors"] == []
+    check_files(out)
+    assert set(report["configs"]) == {"trl", "loglinear-s2"}
+    assert {r["run_id"]: r["reused_from"] for r in report["runs"]} == {
+        "trl@seed0": "first.json",
+        "loglinear-s2@seed0": None,
+    }
+    for name, config in report["configs"].items():
+        check_training_config(name, config, report)
+    check_runs(report)
+    assert all(run["peak_rss_method"].startswith("ru_maxrss") for run in report["runs"])
+    assert report["meta"]["isolation"] == "process" and len(report["meta"]["merged_commands"]) == 1
+    assert positive(report["speedup_vs_trl"]["loglinear-s2"])
