@@ -69,8 +69,9 @@ def evaluate_accuracy(
     Returns:
         A dict with ``accuracy`` (fraction correct), ``count``, ``num_correct``, ``stderr`` (binomial standard
         error ``sqrt(p (1 - p) / n)``), ``correct`` (0/1 per problem, in dataset order, for paired comparisons),
-        ``samples`` (the first ``num_samples`` problems with their completions), ``mean_completion_tokens`` and
-        ``seconds``.
+        ``samples`` (the first ``num_samples`` problems with their completions), ``completions`` (every completion,
+        in dataset order), ``mean_completion_tokens``, ``truncated_fraction`` (completions that hit
+        ``max_new_tokens`` without finishing) and ``seconds``.
     """
     rows = [dict(row) for row in dataset] if not isinstance(dataset, list) else dataset
     count = len(rows)
@@ -94,6 +95,7 @@ def evaluate_accuracy(
         order = sorted(range(count), key=lambda i: lengths[i])
         completions: list[str] = [""] * count
         completion_tokens = 0
+        truncated = 0
         for first in range(0, count, batch_size):
             indices = order[first : first + batch_size]
             batch = tokenizer(
@@ -114,6 +116,7 @@ def evaluate_accuracy(
                 ids = ids.tolist()
                 ends = [k for k, token in enumerate(ids) if token in eos_token_ids or token == pad_token_id]
                 ids = ids[: ends[0]] if ends else ids
+                truncated += not ends and len(ids) >= max_new_tokens
                 completion_tokens += len(ids)
                 completions[i] = tokenizer.decode(ids, skip_special_tokens=True)
     finally:
@@ -140,7 +143,9 @@ def evaluate_accuracy(
         "stderr": math.sqrt(accuracy * (1.0 - accuracy) / count),
         "correct": [int(c) for c in correct],
         "samples": samples,
+        "completions": completions,
         "mean_completion_tokens": completion_tokens / count,
+        "truncated_fraction": truncated / count,
         "seconds": time.perf_counter() - start,
     }
 

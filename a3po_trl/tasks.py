@@ -105,8 +105,8 @@ class DifficultySpec:
     """Number ranges and solution length of one difficulty level.
 
     Attributes:
-        level: 1 (easy), 2 (medium), 3 (hard), 4 or 5.
-        name: ``"easy"``, ``"medium"``, ``"hard"``, ``"level-4"`` or ``"level-5"``.
+        level: 0 (basic), 1 (easy), 2 (medium), 3 (hard), 4 or 5.
+        name: ``"basic"``, ``"easy"``, ``"medium"``, ``"hard"``, ``"level-4"`` or ``"level-5"``.
         min_steps: Fewest arithmetic steps in a solution.
         max_steps: Most arithmetic steps in a solution.
         count_range: Inclusive range of small counts (quantities, people, days).
@@ -122,6 +122,7 @@ class DifficultySpec:
 
 
 _LEVELS = {
+    0: DifficultySpec(0, "basic", 1, 1, (2, 6), (2, 20)),
     1: DifficultySpec(1, "easy", 1, 2, (2, 6), (2, 20)),
     2: DifficultySpec(2, "medium", 2, 3, (2, 12), (10, 100)),
     3: DifficultySpec(3, "hard", 3, 5, (3, 25), (50, 1000)),
@@ -132,12 +133,14 @@ _NAMES = {spec.name: spec for spec in _LEVELS.values()}
 
 
 def difficulty_spec(difficulty: str | int) -> DifficultySpec:
-    """The :class:`DifficultySpec` of ``"easy"``, ``"medium"``, ``"hard"`` or an integer level 1-5."""
+    """The :class:`DifficultySpec` of ``"basic"``, ``"easy"``, ``"medium"``, ``"hard"`` or an integer level 0-5."""
     if isinstance(difficulty, str) and difficulty.strip().lower() in _NAMES:
         return _NAMES[difficulty.strip().lower()]
     if isinstance(difficulty, int) and not isinstance(difficulty, bool) and difficulty in _LEVELS:
         return _LEVELS[difficulty]
-    raise ValueError(f"Unknown difficulty {difficulty!r}: use 'easy', 'medium', 'hard' or an integer level 1-5.")
+    raise ValueError(
+        f"Unknown difficulty {difficulty!r}: use 'basic', 'easy', 'medium', 'hard' or an integer level 0-5."
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -499,15 +502,15 @@ def generate_arithmetic_problems(
 
     Problems come from varied templates (shopping, stock changes over a week, production rates, equal sharing,
     ages, travel distances, percentage discounts). The difficulty sets the number ranges and the number of
-    arithmetic steps (see :func:`difficulty_spec`): easy 1-2 steps with numbers up to 20, medium 2-3 steps up to
-    100, hard 3-5 steps up to 1000.
+    arithmetic steps (see :func:`difficulty_spec`): basic one step and easy 1-2 steps with numbers up to 20,
+    medium 2-3 steps up to 100, hard 3-5 steps up to 1000.
 
     Each ``answer`` is a solution with one step per line written as a GSM8K calculator annotation
     (``3 * 4 = <<3*4=12>>12``), the last step giving the answer, and a final line ``#### N``.
 
     Args:
         n: Number of problems.
-        difficulty: ``"easy"``, ``"medium"``, ``"hard"`` or an integer level 1-5.
+        difficulty: ``"basic"``, ``"easy"``, ``"medium"``, ``"hard"`` or an integer level 0-5.
         seed: Random seed; the same arguments always give the same dataset.
         system_prompt: System message of each prompt (None for none).
         exclude: Question texts that must not be generated (to hold out an evaluation set).

@@ -28,6 +28,7 @@ from trl.data_utils import is_conversational
 from trl.trainer.utils import add_fused_lm_head, shuffle_sequence_dict, split_tensor_dict, use_adapter
 
 from .config import AsyncA3POConfig
+from .distributed import destroy_process_group_at_exit
 from .functional import (
     LOSS_TYPES,
     aggregate_loss,
@@ -98,6 +99,8 @@ class AsyncA3POTrainer(GRPOTrainer):
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, **kwargs)
         self._check_supported_after_init()
         self._warn_about_biased_sampling()
+        # The accelerator initialized the process group by now; end it before interpreter exit (see distributed.py).
+        destroy_process_group_at_exit()
 
         self._engine: GenerationEngine | None = None
         self.last_generation_engine: GenerationEngine | None = None

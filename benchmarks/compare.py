@@ -232,8 +232,8 @@ def _selected(name: str, patterns: str) -> bool:
 def config_names(staleness, single_thread_trl: bool = False) -> list[str]:
     names = ["microbench", "trl"] + (["trl-t1"] if single_thread_trl else [])
     names += ["pieces-loglinear", "pieces-recompute"]
-    for method in METHODS:
-        names += [f"{method}-s{d}" for d in staleness]
+    for d in staleness:  # the two methods side by side at each bound: little drift between the pair compared
+        names += [f"{method}-s{d}" for method in METHODS]
     return names
 
 

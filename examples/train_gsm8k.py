@@ -194,7 +194,7 @@ def _accuracy(trainer, dataset, demo_args, training_args, label: str) -> dict:
 
 def main(demo_args: DemoArguments, training_args: AsyncA3POConfig, model_args: ModelConfig) -> dict:
     """Evaluate, train, evaluate, save; returns the summary written to ``results.json`` (main process)."""
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     model_path = resolve_model_path(model_args.model_name_or_path)
     model_init_kwargs = dict(
         revision=model_args.model_revision,
@@ -258,7 +258,9 @@ def main(demo_args: DemoArguments, training_args: AsyncA3POConfig, model_args: M
         if not model_args.use_peft:
             strip_quantization_config(training_args.output_dir)
         plot_path = plot_training(metrics_path, output_dir / demo_args.plot_file, title="A-3PO on math problems")
-        summary = _summary(evaluations, trainer, training_args, model_args, demo_args, started, train_seconds)
+        summary = _summary(
+            evaluations, trainer, training_args, model_args, demo_args, started, started_cpu, train_seconds
+        )
         summary["plot"], summary["model_dir"], summary["metrics"] = str(plot_path), str(output_dir), str(metrics_path)
         (output_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
         _print_summary(summary)
@@ -272,7 +274,7 @@ def _record(result: dict) -> dict:
     return {key: result[key] for key in keys}
 
 
-def _summary(evaluations, trainer, training_args, model_args, demo_args, started, train_seconds) -> dict:
+def _summary(evaluations, trainer, training_args, model_args, demo_args, started, started_cpu, train_seconds) -> dict:
     summary = {
         "model": model_args.model_name_or_path,
         "lora": bool(model_args.use_peft),
@@ -284,6 +286,7 @@ def _summary(evaluations, trainer, training_args, model_args, demo_args, started
         "num_processes": trainer.accelerator.num_processes,
         "train_seconds": train_seconds,
         "total_seconds": time.perf_counter() - started,
+        "cpu_seconds": time.process_time() - started_cpu,
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
     for label, result in evaluations.items():
@@ -312,7 +315,7 @@ def _print_summary(summary: dict) -> None:
         )
     lines.append(
         f"Run time: {summary['total_seconds'] / 60:.1f} min in total, {summary['train_seconds'] / 60:.1f} min "
-        f"training ({summary['global_step']} steps)"
+        f"training ({summary['global_step']} steps); CPU time {summary['cpu_seconds'] / 60:.1f} min"
     )
     lines.append(f"Plot:    {summary['plot']}")
     lines.append(f"Model:   {summary['model_dir']}{' (LoRA adapter)' if summary['lora'] else ''}")

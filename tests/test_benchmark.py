@@ -196,3 +196,25 @@ def test_fresh_subprocess_per_configuration_and_merge(tmp_path):
     assert all(run["peak_rss_method"].startswith("ru_maxrss") for run in report["runs"])
     assert report["meta"]["isolation"] == "process" and len(report["meta"]["merged_commands"]) == 1
     assert positive(report["speedup_vs_trl"]["loglinear-s2"])
+
+
+def test_lora_memory_report_on_the_tiny_model(tmp_path):
+    """benchmarks/lora_memory.py: the LoRA generator shares the base and owns only adapter-sized tensors."""
+    out = tmp_path / "lora_memory.json"
+    script = os.path.join(ROOT, "benchmarks", "lora_memory.py")
+    completed = subprocess.run(
+        [sys.executable, script, "--model", "tiny", "--lora-r", "2", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    full, lora = json.loads(out.read_text())["results"]
+    assert full["shared_parameters"] == 0 and full["copied_parameters"] == full["model_parameters"]
+    assert lora["shared_parameters"] == full["model_parameters"]  # the whole base is the trainer's own tensors
+    assert 0 < lora["copied_parameters"] < full["copied_parameters"] // 10
+    # the generator owns its adapter and a staging buffer of the same size; a full copy owns the whole model twice
+    assert lora["staging_bytes"] == lora["publish_bytes"] == 4 * lora["copied_parameters"]
+    assert lora["generator_weights_bytes"] < full["generator_weights_bytes"] // 5
+    assert lora["extra_bytes"] < full["extra_bytes"] // 5

@@ -83,7 +83,7 @@ def check_solution(question: str, solution: str) -> tuple[int, int]:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("difficulty", ["easy", "medium", "hard", 4, 5])
+@pytest.mark.parametrize("difficulty", ["basic", "easy", "medium", "hard", 4, 5])
 def test_generated_answers_are_correct(difficulty):
     ds = generate_arithmetic_problems(150, difficulty, seed=3)
     spec = difficulty_spec(difficulty)
@@ -131,7 +131,13 @@ def test_difficulty_changes_number_ranges_and_steps():
     assert stats["easy"][1] <= 200
 
 
-@pytest.mark.parametrize("bad", ["extreme", "", 0, 6, True, 1.5, None])
+def test_basic_problems_take_one_step():
+    ds = generate_arithmetic_problems(200, "basic", seed=2)
+    assert {check_solution(q, a)[1] for q, a in zip(ds["question"], ds["answer"])} == {1}
+    assert difficulty_spec(0) is difficulty_spec("basic")
+
+
+@pytest.mark.parametrize("bad", ["extreme", "", -1, 6, True, 1.5, None])
 def test_unknown_difficulty(bad):
     with pytest.raises(ValueError, match="difficulty"):
         generate_arithmetic_problems(3, bad)

@@ -8,13 +8,12 @@ import os
 import sys
 import threading
 
-import torch
-
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from tiny import length_reward, make_model, make_prompts, make_tokenizer  # noqa: E402
 
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer  # noqa: E402
+from a3po_trl.distributed import teardown_registered  # noqa: E402
 
 
 def main():
@@ -69,15 +68,12 @@ def main():
             h["a3po/staleness_max"] for h in trainer.state.log_history if "a3po/staleness_max" in h
         ),
         "threads_alive": sorted(t.name for t in threading.enumerate()),
+        "process_group_teardown_registered": teardown_registered(),
     }
     with open(os.path.join(out_dir, f"rank{report['rank']}.json"), "w") as f:
         json.dump(report, f)
-    # Leave nothing for interpreter exit to tear down: end the process group while every rank is still here.
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
+    # No explicit destroy_process_group here, as in TRL's own scripts: the trainer registered it with atexit
+    # (a3po_trl/distributed.py), which is what keeps gloo from aborting a rank at interpreter exit.
 
 if __name__ == "__main__":
     main()
