@@ -1578,9 +1578,12 @@ def main(argv=None) -> dict | None:
     if not plan:
         raise SystemExit(f"--configs {options.configs!r} selects no configuration")
     started = datetime.datetime.now().isoformat(timespec="seconds")
-    if options.merge_from:  # fail before running anything
+    if options.merge_from:  # fail before running anything; resume: skip the runs the previous report already has
         with open(options.merge_from) as f:
-            _check_mergeable(json.load(f)["meta"], build_report([], options, common, started, started)["meta"])
+            previous = json.load(f)
+        _check_mergeable(previous["meta"], build_report([], options, common, started, started)["meta"])
+        done = {r["config"]["run_id"] for r in previous.get("records", []) if "error" not in r}
+        plan = [config for config in plan if config["run_id"] not in done]
     print(f"[compare] {len(plan)} runs: model={options.model} device={options.device} steps={options.steps}")
     if options.keep_logs:
         log_dir = os.path.join(options.out, "logs", options.name)

@@ -176,12 +176,13 @@ def test_quick_benchmark_writes_a_complete_report(tmp_path):
 
 def test_fresh_subprocess_per_configuration_and_merge(tmp_path):
     """The default isolation (one fresh subprocess per configuration, peak RSS from its ru_maxrss), in two
-    invocations: the second reruns nothing of the first and merges its runs (--merge-from)."""
+    invocations: the second asks for both configurations again, reruns nothing of the first (resume) and merges its
+    runs (--merge-from)."""
     common = ("--quick", "--sync-threads", "1", "--steps", "3", "--warmup-steps", "1")
     first, out = run_compare(tmp_path, *common, "--configs", "trl", name="first")
     assert set(first["configs"]) == {"trl"} and not os.path.exists(out / "first.partial.json")
     report, out = run_compare(
-        tmp_path, *common, "--configs", "loglinear-s2", "--merge-from", str(out / "first.json"), name="bench"
+        tmp_path, *common, "--configs", "trl,loglinear-s2", "--merge-from", str(out / "first.json"), name="bench"
     )
     assert report["errors"] == []
     check_files(out)
