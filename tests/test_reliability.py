@@ -226,13 +226,19 @@ def test_sigint_while_waiting_for_generation_joins_thread_quickly(tokenizer, tmp
         return [0.0] * len(completions)
 
     trainer = make_trainer(tokenizer, tmp_path, reward_funcs=(slow_reward,), max_staleness=0, max_steps=50)
+    # A process started in the background by a non-interactive shell inherits SIGINT as ignored, and Python keeps
+    # it ignored: install Python's own Ctrl-C handler so the test does not depend on how pytest was launched.
+    previous_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGINT))
     timer.start()
     start = time.perf_counter()
-    with pytest.raises(KeyboardInterrupt):
-        trainer.train()
-    elapsed = time.perf_counter() - start
-    timer.cancel()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train()
+    finally:
+        elapsed = time.perf_counter() - start
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous_handler)
     assert _no_generation_thread_alive()
     assert elapsed < 2.0 + 10.0  # liveness bound, generous for a loaded machine: no hang
     assert trainer.state.global_step < 50
