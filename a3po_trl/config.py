@@ -48,6 +48,12 @@ class AsyncA3POConfig(GRPOConfig):
         generation_device (`str` or `None`, *optional*, defaults to `None`):
             Device of the generator's copy of the weights, e.g. `"cuda:1"`. `None` uses the training device. On
             another device, frozen weights cannot be shared and are copied too.
+        behavior_logps_source (`str`, *optional*, defaults to `"generation"`):
+            Where the behavior log-probs come from. `"generation"` records them while generating, from the logits
+            `generate` computes anyway (raw logits / `temperature`, the distribution the training log-probs score):
+            no extra forward pass. `"forward"` runs one no-grad forward of the generator's weights over prompts and
+            completions after generation, with the training forward's numerics (full sequence instead of KV-cache
+            decoding; the two agree to float rounding in fp32, to bf16 rounding under bf16).
         generation_batch_chunk_size (`int` or `None`, *optional*, defaults to `None`):
             Number of sequences per `generate` call and per behavior log-prob forward in the generator. `None`
             processes the whole local generation batch at once.
@@ -102,6 +108,14 @@ class AsyncA3POConfig(GRPOConfig):
         default=None,
         metadata={"help": "Device of the generator's weights (e.g. 'cuda:1'); None uses the training device."},
     )
+    behavior_logps_source: str = field(
+        default="generation",
+        metadata={
+            "help": "Where the behavior log-probs come from: 'generation' (recorded while generating, no extra "
+            "forward) or 'forward' (one no-grad forward over prompts and completions after generation).",
+            "choices": ["generation", "forward"],
+        },
+    )
     generation_batch_chunk_size: int | None = field(
         default=None,
         metadata={"help": "Sequences per generate call in the generator; None processes the whole batch at once."},
@@ -139,6 +153,11 @@ class AsyncA3POConfig(GRPOConfig):
             raise ValueError(
                 f"behavior_weight_cap={self.behavior_weight_cap} must be greater than 1 (the on-policy weight is 1); "
                 "use e.g. 5.0, or None to disable the cap."
+            )
+        if self.behavior_logps_source not in ("generation", "forward"):
+            raise ValueError(
+                f"behavior_logps_source={self.behavior_logps_source!r} is not supported; set it to 'generation' "
+                "(recorded while generating) or 'forward' (one extra forward after generation)."
             )
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             raise ValueError(

@@ -139,6 +139,10 @@ class GeneratorPolicy:
         with self._lock:
             return self._staging_version
 
+    def staging_tensors(self) -> list[torch.Tensor]:
+        """The staging buffers that :meth:`publish` fills (one per trainable parameter), e.g. to measure memory."""
+        return list(self._staging.values())
+
     def matches(self, module: nn.Module) -> bool:
         """Whether the generator's trainable weights equal ``module``'s (a check for tests and debugging)."""
         params = dict(module.named_parameters())

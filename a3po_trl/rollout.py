@@ -169,6 +169,64 @@ def per_token_logps_fused(model: nn.Module, input_ids, attention_mask, logits_to
     return torch.cat(out, dim=0)
 
 
+class GenerationLogpsRecorder:
+    """Records, while ``generate`` runs, the temperature-scaled log-prob of every token it picks.
+
+    A forward hook on the causal LM that ``generate`` calls sees each step's logits (the raw ones, before any logits
+    processor) and the token ids fed into the next step, which are the tokens picked from those logits. Only the
+    latest step's ``(B, V)`` log-softmax is kept, so the cost is one log-softmax per step and ``(B, steps)`` floats:
+    the behavior log-probs come out of the generation itself instead of a second forward over the whole batch.
+    They score the same distribution as the training log-probs (raw logits / temperature, no top-k/top-p), with the
+    numerics of incremental decoding (KV cache) instead of one full-sequence forward.
+    """
+
+    def __init__(self, model: nn.Module, temperature: float):
+        if temperature <= 0:
+            raise ValueError(f"temperature={temperature} must be positive to score the sampled tokens.")
+        self.temperature = temperature
+        self._latest: torch.Tensor | None = None
+        self._columns: list[torch.Tensor] = []
+        self._handle = model.register_forward_hook(self._record, with_kwargs=True)
+
+    def _record(self, module, args, kwargs, output):
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        logits = getattr(output, "logits", None)
+        if input_ids is None or logits is None:
+            raise RuntimeError(
+                "Behavior log-probs from generation need the model's forward to take input_ids and return logits; "
+                "set behavior_logps_source='forward' for this model."
+            )
+        if self._latest is not None:
+            picked = input_ids[:, -1:].to(self._latest.device)
+            self._columns.append(self._latest.gather(1, picked).squeeze(1))
+        self._latest = torch.log_softmax(logits[:, -1, :].float() / self.temperature, dim=-1)
+
+    def finish(self, generated: torch.Tensor) -> torch.Tensor:
+        """``(B, N)`` log-probs of the ``N`` generated tokens ``generated``; removes the hook."""
+        self._handle.remove()
+        num_tokens = generated.size(1)
+        if len(self._columns) < num_tokens and self._latest is not None:
+            last = generated[:, len(self._columns) : len(self._columns) + 1].to(self._latest.device)
+            self._columns.append(self._latest.gather(1, last).squeeze(1))
+        self._latest = None
+        if len(self._columns) < num_tokens:
+            raise RuntimeError(
+                f"generate produced {num_tokens} tokens but only {len(self._columns)} forward steps were seen; set "
+                "behavior_logps_source='forward'."
+            )
+        if num_tokens == 0:
+            return generated.new_zeros(generated.size(0), 0, dtype=torch.float32)
+        return torch.stack(self._columns[:num_tokens], dim=1)
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def _generation_target(module: nn.Module) -> nn.Module:
+    """The causal LM whose forward ``generate`` calls (the base model of a PEFT model)."""
+    return module.get_base_model() if hasattr(module, "get_base_model") else module
+
+
 @dataclass
 class RolloutSettings:
     """What a rollout needs from the trainer, copied once so the thread never reads the trainer."""
@@ -192,6 +250,11 @@ class RolloutSettings:
     """Mixed-precision dtype of the trainer's forward (bf16/fp16), applied to generation and behavior log-probs so
     they come from the same numerics as the training log-probs; None for full precision."""
     reward_extra_kwargs: dict[str, Any] = field(default_factory=dict)
+    behavior_logps_source: str = "generation"
+    """``"generation"``: record the log-probs while generating (:class:`GenerationLogpsRecorder`); ``"forward"``:
+    one extra no-grad forward over prompts and completions after generation."""
+    temperature: float = 1.0
+    """Temperature of the training log-probs (TRL's ``temperature``), used by ``"generation"``."""
 
 
 def run_rollout(settings: RolloutSettings, module: nn.Module, rows: list[dict], should_stop=None) -> ScoredBatch:
@@ -201,9 +264,14 @@ def run_rollout(settings: RolloutSettings, module: nn.Module, rows: list[dict], 
     prompts = [row["prompt"] for row in rows]
     prompt_ids_list = settings.tokenize_prompts(prompts)
 
+    if settings.behavior_logps_source not in ("generation", "forward"):
+        raise ValueError(
+            f"behavior_logps_source={settings.behavior_logps_source!r} must be 'generation' or 'forward'."
+        )
+    record = settings.behavior_logps_source == "generation"
     start = time.perf_counter()
     with torch.no_grad(), _autocast(device, settings.autocast_dtype):
-        completion_ids_list = _generate(settings, module, prompt_ids_list, device, should_stop)
+        completion_ids_list, recorded_logps = _generate(settings, module, prompt_ids_list, device, should_stop, record)
     timings["generation"] = time.perf_counter() - start
 
     prompt_ids, prompt_mask = _pad_rows(prompt_ids_list, settings.pad_token_id, "left", settings.pad_to_multiple_of)
@@ -216,14 +284,18 @@ def run_rollout(settings: RolloutSettings, module: nn.Module, rows: list[dict], 
         completion_mask = completion_mask * (~is_truncated).unsqueeze(1).long()
 
     start = time.perf_counter()
-    with torch.no_grad(), _autocast(device, settings.autocast_dtype):
-        behavior_logps = per_token_logps_fused(
-            module,
-            torch.cat([prompt_ids, completion_ids], dim=1).to(device),
-            torch.cat([prompt_mask, completion_mask], dim=1).to(device),
-            completion_ids.size(1),
-            settings.chunk_size,
-        )
+    if record:
+        behavior_logps = pad(recorded_logps, padding_value=0.0, padding_side="right")
+        behavior_logps = torch.nn.functional.pad(behavior_logps, (0, completion_ids.size(1) - behavior_logps.size(1)))
+    else:
+        with torch.no_grad(), _autocast(device, settings.autocast_dtype):
+            behavior_logps = per_token_logps_fused(
+                module,
+                torch.cat([prompt_ids, completion_ids], dim=1).to(device),
+                torch.cat([prompt_mask, completion_mask], dim=1).to(device),
+                completion_ids.size(1),
+                settings.chunk_size,
+            )
     timings["behavior_logps"] = time.perf_counter() - start
 
     if is_conversational({"prompt": prompts[0]}):
@@ -267,33 +339,46 @@ def run_rollout(settings: RolloutSettings, module: nn.Module, rows: list[dict], 
     )
 
 
-def _generate(settings: RolloutSettings, module, prompt_ids_list, device, should_stop) -> list[list[int]]:
+def _generate(
+    settings: RolloutSettings, module, prompt_ids_list, device, should_stop, record_logps: bool
+) -> tuple[list[list[int]], list[torch.Tensor] | None]:
+    """Completion ids per row, cut after the first EOS, and (``record_logps``) their behavior log-probs."""
     chunk = settings.chunk_size or len(prompt_ids_list)
     stopping = None
     if should_stop is not None:
         stopping = StoppingCriteriaList([_CallableStop(should_stop)])
     completions: list[list[int]] = []
+    logps: list[torch.Tensor] | None = [] if record_logps else None
     eos = torch.tensor(settings.eos_token_ids, device=device)
     for start in range(0, len(prompt_ids_list), chunk):
         ids, mask = _pad_rows(prompt_ids_list[start : start + chunk], settings.pad_token_id, "left", None)
         ids, mask = ids.to(device), mask.to(device)
-        output = module.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            generation_config=settings.generation_config,
-            stopping_criteria=stopping,
-            synced_gpus=False,  # transformers turns it on under ZeRO-3: a collective per token would deadlock here
-        )
+        recorder = GenerationLogpsRecorder(_generation_target(module), settings.temperature) if record_logps else None
+        try:
+            output = module.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                generation_config=settings.generation_config,
+                stopping_criteria=stopping,
+                synced_gpus=False,  # transformers turns it on under ZeRO-3: a collective per token would deadlock
+            )
+        finally:
+            if recorder is not None:
+                recorder.close()
         generated = output[:, ids.size(1) :]
+        chunk_logps = recorder.finish(generated).cpu() if recorder is not None else None
         is_eos = torch.isin(generated, eos)
         eos_idx = torch.full((is_eos.size(0),), is_eos.size(1), dtype=torch.long, device=device)
         has_eos = is_eos.any(dim=1)
         eos_idx[has_eos] = is_eos.int().argmax(dim=1)[has_eos]
         keep = torch.arange(is_eos.size(1), device=device).expand(is_eos.size(0), -1) <= eos_idx.unsqueeze(1)
-        completions.extend(row[m].tolist() for row, m in zip(generated.cpu(), keep.cpu()))
+        keep = keep.cpu()
+        completions.extend(row[m].tolist() for row, m in zip(generated.cpu(), keep))
+        if logps is not None:
+            logps.extend(row[m] for row, m in zip(chunk_logps, keep))
     if should_stop is not None and should_stop():
         raise GenerationStopped
-    return completions
+    return completions, logps
 
 
 class _CallableStop:

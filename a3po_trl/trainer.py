@@ -211,6 +211,8 @@ class AsyncA3POTrainer(GRPOTrainer):
             pad_to_multiple_of=self.pad_to_multiple_of,
             autocast_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.accelerator.mixed_precision),
             reward_extra_kwargs={"trainer_state": self.state, "log_metric": self._log_generator_metric},
+            behavior_logps_source=self.args.behavior_logps_source,
+            temperature=self.temperature,
         )
 
     def _log_generator_metric(self, name: str, value: float):

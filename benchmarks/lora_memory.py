@@ -44,7 +44,7 @@ def owned_bytes(policy: GeneratorPolicy, trainer_module: torch.nn.Module) -> dic
     trainer = _storages(list(trainer_module.parameters()) + list(trainer_module.buffers()))
     generator = _storages(list(policy.module.parameters()) + list(policy.module.buffers()))
     own = {ptr: size for ptr, size in generator.items() if ptr not in trainer}
-    staging = _storages(policy._staging.values())
+    staging = _storages(policy.staging_tensors())
     return {"generator_weights_bytes": sum(own.values()), "staging_bytes": sum(staging.values())}
 
 

@@ -1,11 +1,14 @@
-"""Group advantages and local reward scoring (a3po_trl.rollout), against hand-computed values."""
+"""Group advantages, local reward scoring and behavior log-probs (a3po_trl.rollout)."""
 
 import math
 
 import pytest
 import torch
+from tiny import length_reward, make_model
+from transformers import GenerationConfig
+from trl.trainer.utils import add_fused_lm_head
 
-from a3po_trl.rollout import group_advantages, score_completions
+from a3po_trl.rollout import RolloutSettings, group_advantages, run_rollout, score_completions
 
 
 def _std(values):
@@ -58,3 +61,82 @@ def test_score_completions_passes_columns_and_names_failures():
     with pytest.raises(KeyError) as info:
         score_completions([fails], ["fails"], [None], rows, ["p", "q"], ["a", "b"], [[1], [2]])
     assert "fails" in "".join(info.value.__notes__)
+
+
+def _rollout_settings(tokenizer, source: str, temperature: float, **generation_kwargs) -> RolloutSettings:
+    def tokenize(prompts):
+        return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+
+    generation_config = GenerationConfig(
+        do_sample=True,
+        temperature=temperature,
+        top_k=generation_kwargs.pop("top_k", 0),
+        top_p=1.0,
+        max_new_tokens=12,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **generation_kwargs,
+    )
+    return RolloutSettings(
+        tokenize_prompts=tokenize,
+        decode=lambda ids: tokenizer.batch_decode(ids, skip_special_tokens=True),
+        generation_config=generation_config,
+        eos_token_ids=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        num_generations=2,
+        reward_funcs=[length_reward],
+        reward_func_names=["length_reward"],
+        reward_processing_classes=[None],
+        reward_weights=torch.ones(1),
+        behavior_logps_source=source,
+        temperature=temperature,
+    )
+
+
+def _patched_model(tokenizer, temperature: float, lora: bool):
+    model = make_model(tokenizer, seed=3).eval()
+    add_fused_lm_head(model, temperature=temperature)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    return model
+
+
+@pytest.mark.parametrize("lora, top_k", [(False, 0), (True, 0), (False, 5)])
+def test_behavior_logps_recorded_during_generation_equal_a_forward_pass(tokenizer, lora, top_k):
+    """The recorded log-probs score each picked token under raw logits / temperature, as the training forward does
+    (also when top-k changes what generate samples from), through a PEFT wrapper too, ragged lengths included."""
+    temperature = 0.7
+    model = _patched_model(tokenizer, temperature, lora)
+    rows = [{"prompt": p} for p in ("1+1=", "What is 12 + 30?", "x", "A longer prompt, to pad the others")]
+    target = model.get_base_model() if lora else model
+    scoring_forwards = []  # full-sequence forwards that score tokens (fused LM head), as opposed to decoding steps
+    target.register_forward_pre_hook(
+        lambda module, args, kwargs: scoring_forwards.append(bool(kwargs.get("fused_lm_head"))), with_kwargs=True
+    )
+    batches, scoring = {}, {}
+    for source in ("generation", "forward"):
+        torch.manual_seed(11)
+        scoring_forwards.clear()
+        settings = _rollout_settings(tokenizer, source, temperature, top_k=top_k)
+        batches[source] = run_rollout(settings, model, rows)
+        scoring[source] = sum(scoring_forwards)
+    assert scoring == {"generation": 0, "forward": 1}
+    recorded, forward = batches["generation"].tensors, batches["forward"].tensors
+    assert torch.equal(recorded["completion_ids"], forward["completion_ids"])  # same samples: no RNG consumed
+    mask = forward["completion_mask"].bool()
+    assert mask.sum(dim=1).min() >= 1 and mask.sum(dim=1).unique().numel() > 1, "want ragged completions"
+    assert recorded["behavior_logps"].shape == forward["behavior_logps"].shape
+    assert torch.allclose(recorded["behavior_logps"][mask], forward["behavior_logps"][mask], atol=1e-5)
+    assert (recorded["behavior_logps"][mask] < 0).all()
+    assert (recorded["behavior_logps"][~mask] == 0).all()
+
+
+def test_recorder_rejects_a_bad_source_and_removes_its_hook(tokenizer):
+    model = _patched_model(tokenizer, 1.0, lora=False)
+    with pytest.raises(ValueError, match="behavior_logps_source"):
+        run_rollout(_rollout_settings(tokenizer, "cache", 1.0), model, [{"prompt": "a"}, {"prompt": "b"}])
+    torch.manual_seed(0)
+    run_rollout(_rollout_settings(tokenizer, "generation", 1.0), model, [{"prompt": "a"}, {"prompt": "b"}])
+    assert not model._forward_hooks  # nothing is left on the generator's model after a rollout
