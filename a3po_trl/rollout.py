@@ -186,6 +186,7 @@ class GenerationLogpsRecorder:
         self.temperature = temperature
         self._latest: torch.Tensor | None = None
         self._columns: list[torch.Tensor] = []
+        self._picked: list[torch.Tensor] = []  # the token each column scores, checked against the output
         self._handle = model.register_forward_hook(self._record, with_kwargs=True)
 
     def _record(self, module, args, kwargs, output):
@@ -199,6 +200,7 @@ class GenerationLogpsRecorder:
         if self._latest is not None:
             picked = input_ids[:, -1:].to(self._latest.device)
             self._columns.append(self._latest.gather(1, picked).squeeze(1))
+            self._picked.append(picked.squeeze(1))
         self._latest = torch.log_softmax(logits[:, -1, :].float() / self.temperature, dim=-1)
 
     def finish(self, generated: torch.Tensor) -> torch.Tensor:
@@ -208,14 +210,18 @@ class GenerationLogpsRecorder:
         if len(self._columns) < num_tokens and self._latest is not None:
             last = generated[:, len(self._columns) : len(self._columns) + 1].to(self._latest.device)
             self._columns.append(self._latest.gather(1, last).squeeze(1))
+            self._picked.append(last.squeeze(1))
         self._latest = None
-        if len(self._columns) < num_tokens:
-            raise RuntimeError(
-                f"generate produced {num_tokens} tokens but only {len(self._columns)} forward steps were seen; set "
-                "behavior_logps_source='forward'."
-            )
         if num_tokens == 0:
             return generated.new_zeros(generated.size(0), 0, dtype=torch.float32)
+        picked = torch.stack(self._picked[:num_tokens], dim=1) if len(self._picked) >= num_tokens else None
+        if picked is None or not torch.equal(picked, generated.to(picked.device)):
+            # e.g. chunked prefill or assisted decoding: forwards that are not one step per generated token
+            raise RuntimeError(
+                "The behavior log-probs recorded during generation do not line up with the generated tokens (this "
+                "generation setup runs forwards that are not one per generated token); set "
+                "behavior_logps_source='forward'."
+            )
         return torch.stack(self._columns[:num_tokens], dim=1)
 
     def close(self) -> None:

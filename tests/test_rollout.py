@@ -133,10 +133,18 @@ def test_behavior_logps_recorded_during_generation_equal_a_forward_pass(tokenize
     assert (recorded["behavior_logps"][~mask] == 0).all()
 
 
-def test_recorder_rejects_a_bad_source_and_removes_its_hook(tokenizer):
+def test_recorder_rejects_bad_settings_and_misaligned_forwards_and_removes_its_hook(tokenizer):
     model = _patched_model(tokenizer, 1.0, lora=False)
     with pytest.raises(ValueError, match="behavior_logps_source"):
         run_rollout(_rollout_settings(tokenizer, "cache", 1.0), model, [{"prompt": "a"}, {"prompt": "b"}])
+    rows = [{"prompt": "a prompt longer than one prefill chunk"}, {"prompt": "b"}]
     torch.manual_seed(0)
-    run_rollout(_rollout_settings(tokenizer, "generation", 1.0), model, [{"prompt": "a"}, {"prompt": "b"}])
+    run_rollout(_rollout_settings(tokenizer, "generation", 1.0), model, rows)
     assert not model._forward_hooks  # nothing is left on the generator's model after a rollout
+    # a prefill in chunks runs several forwards before the first token: the recorded columns would be misaligned
+    chunked = _rollout_settings(tokenizer, "generation", 1.0, prefill_chunk_size=4)
+    with pytest.raises(RuntimeError, match="behavior_logps_source='forward'"):
+        run_rollout(chunked, model, rows)
+    assert not model._forward_hooks
+    chunked.behavior_logps_source = "forward"
+    assert run_rollout(chunked, model, rows).tensors["behavior_logps"].shape[0] == 2
