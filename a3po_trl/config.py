@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from .functional import CAP_MODES, PROXIMAL_METHODS
+from .rollout import BEHAVIOR_LOGPS_SOURCES
 
 
 @dataclass
@@ -113,7 +114,7 @@ class AsyncA3POConfig(GRPOConfig):
         metadata={
             "help": "Where the behavior log-probs come from: 'generation' (recorded while generating, no extra "
             "forward) or 'forward' (one no-grad forward over prompts and completions after generation).",
-            "choices": ["generation", "forward"],
+            "choices": list(BEHAVIOR_LOGPS_SOURCES),
         },
     )
     generation_batch_chunk_size: int | None = field(
@@ -154,7 +155,7 @@ class AsyncA3POConfig(GRPOConfig):
                 f"behavior_weight_cap={self.behavior_weight_cap} must be greater than 1 (the on-policy weight is 1); "
                 "use e.g. 5.0, or None to disable the cap."
             )
-        if self.behavior_logps_source not in ("generation", "forward"):
+        if self.behavior_logps_source not in BEHAVIOR_LOGPS_SOURCES:
             raise ValueError(
                 f"behavior_logps_source={self.behavior_logps_source!r} is not supported; set it to 'generation' "
                 "(recorded while generating) or 'forward' (one extra forward after generation)."

@@ -169,6 +169,10 @@ def per_token_logps_fused(model: nn.Module, input_ids, attention_mask, logits_to
     return torch.cat(out, dim=0)
 
 
+#: Where the behavior log-probs can come from (``AsyncA3POConfig.behavior_logps_source``).
+BEHAVIOR_LOGPS_SOURCES = ("generation", "forward")
+
+
 class GenerationLogpsRecorder:
     """Records, while ``generate`` runs, the temperature-scaled log-prob of every token it picks.
 
@@ -204,8 +208,7 @@ class GenerationLogpsRecorder:
         self._latest = torch.log_softmax(logits[:, -1, :].float() / self.temperature, dim=-1)
 
     def finish(self, generated: torch.Tensor) -> torch.Tensor:
-        """``(B, N)`` log-probs of the ``N`` generated tokens ``generated``; removes the hook."""
-        self._handle.remove()
+        """``(B, N)`` log-probs of the ``N`` generated tokens ``generated`` (after :meth:`close`)."""
         num_tokens = generated.size(1)
         if len(self._columns) < num_tokens and self._latest is not None:
             last = generated[:, len(self._columns) : len(self._columns) + 1].to(self._latest.device)
@@ -228,7 +231,7 @@ class GenerationLogpsRecorder:
         self._handle.remove()
 
 
-def _generation_target(module: nn.Module) -> nn.Module:
+def generation_target(module: nn.Module) -> nn.Module:
     """The causal LM whose forward ``generate`` calls (the base model of a PEFT model)."""
     return module.get_base_model() if hasattr(module, "get_base_model") else module
 
@@ -270,9 +273,9 @@ def run_rollout(settings: RolloutSettings, module: nn.Module, rows: list[dict], 
     prompts = [row["prompt"] for row in rows]
     prompt_ids_list = settings.tokenize_prompts(prompts)
 
-    if settings.behavior_logps_source not in ("generation", "forward"):
+    if settings.behavior_logps_source not in BEHAVIOR_LOGPS_SOURCES:
         raise ValueError(
-            f"behavior_logps_source={settings.behavior_logps_source!r} must be 'generation' or 'forward'."
+            f"behavior_logps_source={settings.behavior_logps_source!r} must be one of {BEHAVIOR_LOGPS_SOURCES}."
         )
     record = settings.behavior_logps_source == "generation"
     start = time.perf_counter()
@@ -359,7 +362,7 @@ def _generate(
     for start in range(0, len(prompt_ids_list), chunk):
         ids, mask = _pad_rows(prompt_ids_list[start : start + chunk], settings.pad_token_id, "left", None)
         ids, mask = ids.to(device), mask.to(device)
-        recorder = GenerationLogpsRecorder(_generation_target(module), settings.temperature) if record_logps else None
+        recorder = GenerationLogpsRecorder(generation_target(module), settings.temperature) if record_logps else None
         try:
             output = module.generate(
                 input_ids=ids,

@@ -45,7 +45,7 @@ from .generation import (
     staleness_bound_schedule,
 )
 from .metrics import batch_metrics, loss_metrics
-from .rollout import RolloutSettings, run_rollout
+from .rollout import RolloutSettings, generation_target, run_rollout
 
 logger = logging.getLogger(__name__)
 
@@ -163,8 +163,7 @@ class AsyncA3POTrainer(GRPOTrainer):
         cast_fp32 = self.args.cast_lm_head_to_fp32
 
         def patch(module):
-            base = module.get_base_model() if hasattr(module, "get_base_model") else module
-            add_fused_lm_head(base, temperature=temperature, cast_lm_head_to_fp32=cast_fp32)
+            add_fused_lm_head(generation_target(module), temperature=temperature, cast_lm_head_to_fp32=cast_fp32)
 
         device = self.args.generation_device or self.accelerator.device
         gather = None
