@@ -8,6 +8,7 @@ from trl import GRPOConfig
 
 from .functional import CAP_MODES, PROXIMAL_METHODS
 from .rollout import BEHAVIOR_LOGPS_SOURCES
+from .schedule import largest_version_span
 
 
 @dataclass
@@ -34,14 +35,21 @@ class AsyncA3POConfig(GRPOConfig):
             `"sequence_mask"` / `"sequence_truncate"` do the same with the geometric mean of the weight over each
             sequence.
 
+        disable_dropout (`bool`, *optional*, defaults to `True`):
+            Whether to disable dropout in the model. GRPOConfig leaves it on by default; here it is off, because the
+            generator samples and scores its tokens without dropout, so dropout in the training forward would make
+            the importance ratios of on-policy tokens differ from 1 (GRPOTrainer's own on-policy ratio is exactly 1:
+            it compares a forward with itself). Setting it to `False` on a model with dropout logs a warning.
+
         > Parameters that control asynchronous generation
 
-        max_staleness (`int`, *optional*, defaults to `1`):
+        max_staleness (`int` or `None`, *optional*, defaults to `None`):
             Admission control: the generator never starts a batch that would be consumed more than `max_staleness`
             optimizer steps after the weights it generates with; it waits instead, so no sample is thrown away. `0`
             is synchronous (on-policy) training. With `steps_per_generation * num_iterations` larger than
             `gradient_accumulation_steps`, one generation batch spans several optimizer steps and `max_staleness`
-            must be at least that span minus one.
+            must be at least that span minus one. `None` takes the span: the batch schedule plus one optimizer step
+            of overlap between generation and training (`1` with GRPOConfig's defaults).
         async_generation (`bool`, *optional*, defaults to `True`):
             Generate in a background thread that overlaps with training. `False` generates in the main thread
             when a batch is needed (still versioned and scored by the same engine): useful for debugging and for
@@ -94,11 +102,19 @@ class AsyncA3POConfig(GRPOConfig):
             "choices": list(CAP_MODES),
         },
     )
-    max_staleness: int = field(
-        default=1,
+    disable_dropout: bool = field(
+        default=True,
+        metadata={
+            "help": "Whether to disable dropout in the model (True here, False in GRPOConfig: the generator samples "
+            "and scores without dropout, so dropout in training would bias on-policy importance ratios)."
+        },
+    )
+    max_staleness: int | None = field(
+        default=None,
         metadata={
             "help": "Largest allowed gap, in optimizer steps, between the weights that generate a sample and the "
-            "weights that train on it. 0 is synchronous training."
+            "weights that train on it. 0 is synchronous training; None allows the batch schedule plus one step of "
+            "overlap."
         },
     )
     async_generation: bool = field(
@@ -140,6 +156,10 @@ class AsyncA3POConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        # Which batch-schedule setting the user gave, to name it in errors (GRPOConfig fills in the other).
+        schedule_setting = (
+            "generation_batch_size" if self.generation_batch_size is not None else "steps_per_generation"
+        )
         super().__post_init__()
         if self.prox_logp_method not in PROXIMAL_METHODS:
             raise ValueError(
@@ -160,11 +180,6 @@ class AsyncA3POConfig(GRPOConfig):
                 f"behavior_logps_source={self.behavior_logps_source!r} is not supported; set it to 'generation' "
                 "(recorded while generating) or 'forward' (one extra forward after generation)."
             )
-        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
-            raise ValueError(
-                f"max_staleness={self.max_staleness!r} must be an integer >= 0 (0 = synchronous training, "
-                "1 = generate the next batch while training on the current one)."
-            )
         for name in ("generation_num_threads", "training_num_threads", "generation_batch_chunk_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -181,35 +196,24 @@ class AsyncA3POConfig(GRPOConfig):
                 "so the product is a multiple of num_generations."
             )
         span = self.versions_spanned_per_generation_batch
-        if self.max_staleness < span - 1:
+        if self.max_staleness is None:
+            self.max_staleness = span  # the schedule needs span - 1; one more lets generation overlap training
+        elif isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             raise ValueError(
-                f"max_staleness={self.max_staleness} is too small: with steps_per_generation="
-                f"{self.steps_per_generation}, num_iterations={self.num_iterations} and gradient_accumulation_steps="
-                f"{self.gradient_accumulation_steps}, one generation batch is trained on over {span} optimizer steps, "
-                f"so its samples reach staleness {span - 1}. Set max_staleness >= {span - 1}, or lower "
-                "steps_per_generation / num_iterations."
+                f"max_staleness={self.max_staleness!r} must be an integer >= 0 (0 = synchronous training, "
+                "1 = generate the next batch while training on the current one), or None to derive it from the batch "
+                "schedule."
+            )
+        elif self.max_staleness < span - 1:
+            raise ValueError(
+                f"max_staleness={self.max_staleness} is too small: with {schedule_setting}="
+                f"{getattr(self, schedule_setting)}, num_iterations={self.num_iterations} and "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps}, one generation batch is trained on "
+                f"over {span} optimizer steps, so its samples reach staleness {span - 1}. Set max_staleness >= "
+                f"{span - 1} (or leave it unset to get {span}), or lower {schedule_setting} / num_iterations."
             )
 
     @property
     def versions_spanned_per_generation_batch(self) -> int:
         """Largest number of distinct policy versions that train on one generation batch."""
-        return max(len(v) for v in generation_batch_versions(self, period=True))
-
-
-def generation_batch_versions(args: GRPOConfig, period: bool = False, batch_index: int | None = None):
-    """Policy versions (optimizer steps done) at which generation batch ``j`` is trained on.
-
-    Batch ``j`` covers micro-steps ``[j * E, (j + 1) * E)`` with ``E = steps_per_generation * num_iterations``; micro
-    step ``m`` trains at version ``m // gradient_accumulation_steps``. With ``period=True`` returns the versions of
-    one batch per residue class (enough to find the largest span); otherwise those of ``batch_index``.
-    """
-    every = args.steps_per_generation * args.num_iterations
-    accumulation = args.gradient_accumulation_steps
-
-    def versions(j: int) -> range:
-        first, last = (j * every) // accumulation, ((j + 1) * every - 1) // accumulation
-        return range(first, last + 1)
-
-    if period:
-        return [versions(j) for j in range(accumulation)]
-    return versions(batch_index)
+        return largest_version_span(self.steps_per_generation * self.num_iterations, self.gradient_accumulation_steps)

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from .rewards import correctness_reward
 
@@ -46,6 +47,7 @@ def evaluate_accuracy(
     num_samples: int = 3,
     prompt_column: str = "prompt",
     answer_column: str = "answer",
+    progress: bool = True,
 ) -> dict[str, Any]:
     """Greedy-decoding accuracy of ``model`` on ``dataset`` (exact numeric match of the final answer).
 
@@ -65,6 +67,7 @@ def evaluate_accuracy(
         num_samples: How many (question, completion, answer, correct) examples to return.
         prompt_column: Name of the prompt column.
         answer_column: Name of the answer column.
+        progress: Show a progress bar (batches decoded, on stderr).
 
     Returns:
         A dict with ``accuracy`` (fraction correct), ``count``, ``num_correct``, ``stderr`` (binomial standard
@@ -96,7 +99,8 @@ def evaluate_accuracy(
         completions: list[str] = [""] * count
         completion_tokens = 0
         truncated = 0
-        for first in range(0, count, batch_size):
+        batches = range(0, count, batch_size)
+        for first in tqdm(batches, desc=f"Evaluating {count} problems", unit="batch", disable=not progress):
             indices = order[first : first + batch_size]
             batch = tokenizer(
                 [texts[i] for i in indices], return_tensors="pt", padding=True, add_special_tokens=False

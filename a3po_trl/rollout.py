@@ -1,12 +1,15 @@
-"""One rollout: generate completions for a local generation batch, score them, and compute group advantages.
+"""One rollout: generate completions for a local generation batch, their behavior log-probs, and their rewards.
 
 Everything here is local to one process and uses only the module it is given (the generator's copy of the
-weights), so it can run in the generation thread: no collective, no access to the training module.
+weights), so it can run in the generation thread: no collective, no access to the training module or the trainer.
+Advantages need every process's rewards, so the trainer computes them when it takes the batch.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,144 +18,16 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, StoppingCriteriaList
 from trl.data_utils import is_conversational
-from trl.trainer.utils import nanstd, pad
+from trl.trainer.utils import pad
 
 from .generation import GenerationStopped, ScoredBatch
+from .sampling import GenerationLogpsRecorder, OwnStreamSampling, records_logps, samples_with_own_stream
+from .scoring import score_completions
 
+logger = logging.getLogger(__name__)
 
-def group_advantages(
-    rewards_per_func: torch.Tensor,
-    reward_weights: torch.Tensor,
-    num_generations: int,
-    scale_rewards: str = "group",
-    aggregation: str = "sum_then_normalize",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Group-relative advantages over whole groups of ``num_generations`` consecutive rows, as TRL computes them.
-
-    Args:
-        rewards_per_func: ``(B, F)`` rewards, NaN where a reward function returned None.
-        reward_weights: ``(F,)`` weights of the reward functions.
-        num_generations: group size; ``B`` must be a multiple of it.
-        scale_rewards: ``"group"`` (divide by the group's std), ``"batch"`` (by the batch's std) or ``"none"``.
-        aggregation: ``"sum_then_normalize"`` or ``"normalize_then_sum"`` (TRL's ``multi_objective_aggregation``).
-
-    Returns:
-        ``(advantages, rewards, is_std_zero)``, each ``(B,)``; a row every function left unscored gets advantage 0.
-    """
-    if rewards_per_func.size(0) % num_generations:
-        raise ValueError(f"{rewards_per_func.size(0)} rows do not form whole groups of {num_generations}.")
-    weights = reward_weights.to(rewards_per_func.device, rewards_per_func.dtype)
-    unscorable = torch.isnan(rewards_per_func).all(dim=1)
-    if aggregation == "sum_then_normalize":
-        rewards = (rewards_per_func * weights).nansum(dim=1)
-        rewards[unscorable] = torch.nan
-        grouped = rewards.view(-1, num_generations)
-        mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
-        if scale_rewards in ("group", "none"):
-            std = nanstd(grouped, dim=1).repeat_interleave(num_generations)
-        elif scale_rewards == "batch":
-            std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
-        else:
-            raise ValueError(f"scale_rewards={scale_rewards!r} must be 'group', 'batch' or 'none'.")
-        advantages = rewards - mean
-        if scale_rewards != "none":
-            advantages = advantages / (std + 1e-4)
-    elif aggregation == "normalize_then_sum":
-        grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.size(1))
-        normalized = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (
-            nanstd(grouped, dim=1, keepdim=True) + 1e-4
-        )
-        rewards = (normalized.view(-1, rewards_per_func.size(1)) * weights).nansum(dim=1)
-        rewards[unscorable] = torch.nan
-        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
-        advantages = (rewards - torch.nanmean(rewards)) / (std + 1e-4)
-    else:
-        raise ValueError(f"multi_objective_aggregation={aggregation!r} is not supported.")
-    is_std_zero = torch.isclose(std, torch.zeros_like(std))
-    return torch.nan_to_num(advantages, nan=0.0), rewards, is_std_zero
-
-
-def score_completions(
-    reward_funcs: list,
-    reward_func_names: list[str],
-    reward_processing_classes: list,
-    rows: list[dict],
-    prompts: list,
-    completions: list,
-    completion_ids: list[list[int]],
-    extra_kwargs: dict[str, Any] | None = None,
-) -> torch.Tensor:
-    """``(B, F)`` float32 rewards from each reward function, locally (no gather). None becomes NaN.
-
-    Reward functions follow TRL's signature ``f(prompts, completions, completion_ids, **columns)``; reward models
-    (``nn.Module``) score the prompt + completion text. A function that raises has its name added to the error.
-    """
-    rewards = torch.zeros(len(prompts), len(reward_funcs), dtype=torch.float32)
-    columns = {key: [row[key] for row in rows] for key in rows[0] if key not in ("prompt", "completion")}
-    columns.update(extra_kwargs or {})
-    for i, (func, name, processing_class) in enumerate(
-        zip(reward_funcs, reward_func_names, reward_processing_classes, strict=True)
-    ):
-        try:
-            if isinstance(func, nn.Module):
-                values = _score_with_reward_model(func, processing_class, prompts, completions)
-            else:
-                values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-        except Exception as error:
-            if hasattr(error, "add_note"):
-                error.add_note(f"(raised by the reward function {name!r})")
-            raise
-        values = _as_reward_list(values, name, len(prompts))
-        rewards[:, i] = torch.tensor(values, dtype=torch.float32)
-    return rewards
-
-
-def _as_reward_list(values, name: str, expected: int) -> list[float]:
-    if isinstance(values, torch.Tensor):
-        values = values.detach().float().cpu().flatten().tolist()
-    try:
-        values = list(values)
-    except TypeError:
-        raise TypeError(
-            f"The reward function {name!r} returned {type(values).__name__}; it must return a list of floats "
-            f"(one per completion, None to skip)."
-        ) from None
-    if len(values) != expected:
-        raise ValueError(
-            f"The reward function {name!r} returned {len(values)} rewards, but {expected} were expected (one per "
-            "prompt-completion pair). Make sure it returns exactly one reward per completion."
-        )
-    out = []
-    for value in values:
-        if value is None:
-            out.append(float("nan"))
-            continue
-        try:
-            out.append(float(value))
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"The reward function {name!r} returned a non-numeric reward {value!r}; return floats (or None to "
-                "skip a completion)."
-            ) from None
-    return out
-
-
-def _score_with_reward_model(model, processing_class, prompts, completions) -> list[float]:
-    from trl.data_utils import apply_chat_template
-
-    if is_conversational({"prompt": prompts[0]}):
-        texts = [
-            apply_chat_template({"messages": p + c}, processing_class)["text"] for p, c in zip(prompts, completions)
-        ]
-    else:
-        texts = [p + c for p, c in zip(prompts, completions)]
-    inputs = processing_class(
-        text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
-    )
-    device = next(model.parameters()).device
-    inputs = {k: v.to(device) for k, v in inputs.items()}
-    with torch.inference_mode():
-        return model(**inputs).logits[:, 0].float().cpu().tolist()
+#: Where the behavior log-probs can come from (``AsyncA3POConfig.behavior_logps_source``).
+BEHAVIOR_LOGPS_SOURCES = ("generation", "forward")
 
 
 def per_token_logps_fused(model: nn.Module, input_ids, attention_mask, logits_to_keep: int, chunk_size: int | None):
@@ -169,68 +44,6 @@ def per_token_logps_fused(model: nn.Module, input_ids, attention_mask, logits_to
     return torch.cat(out, dim=0)
 
 
-#: Where the behavior log-probs can come from (``AsyncA3POConfig.behavior_logps_source``).
-BEHAVIOR_LOGPS_SOURCES = ("generation", "forward")
-
-
-class GenerationLogpsRecorder:
-    """Records, while ``generate`` runs, the temperature-scaled log-prob of every token it picks.
-
-    A forward hook on the causal LM that ``generate`` calls sees each step's logits (the raw ones, before any logits
-    processor) and the token ids fed into the next step, which are the tokens picked from those logits. Only the
-    latest step's ``(B, V)`` log-softmax is kept, so the cost is one log-softmax per step and ``(B, steps)`` floats:
-    the behavior log-probs come out of the generation itself instead of a second forward over the whole batch.
-    They score the same distribution as the training log-probs (raw logits / temperature, no top-k/top-p), with the
-    numerics of incremental decoding (KV cache) instead of one full-sequence forward.
-    """
-
-    def __init__(self, model: nn.Module, temperature: float):
-        if temperature <= 0:
-            raise ValueError(f"temperature={temperature} must be positive to score the sampled tokens.")
-        self.temperature = temperature
-        self._latest: torch.Tensor | None = None
-        self._columns: list[torch.Tensor] = []
-        self._picked: list[torch.Tensor] = []  # the token each column scores, checked against the output
-        self._handle = model.register_forward_hook(self._record, with_kwargs=True)
-
-    def _record(self, module, args, kwargs, output):
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        logits = getattr(output, "logits", None)
-        if input_ids is None or logits is None:
-            raise RuntimeError(
-                "Behavior log-probs from generation need the model's forward to take input_ids and return logits; "
-                "set behavior_logps_source='forward' for this model."
-            )
-        if self._latest is not None:
-            picked = input_ids[:, -1:].to(self._latest.device)
-            self._columns.append(self._latest.gather(1, picked).squeeze(1))
-            self._picked.append(picked.squeeze(1))
-        self._latest = torch.log_softmax(logits[:, -1, :].float() / self.temperature, dim=-1)
-
-    def finish(self, generated: torch.Tensor) -> torch.Tensor:
-        """``(B, N)`` log-probs of the ``N`` generated tokens ``generated`` (after :meth:`close`)."""
-        num_tokens = generated.size(1)
-        if len(self._columns) < num_tokens and self._latest is not None:
-            last = generated[:, len(self._columns) : len(self._columns) + 1].to(self._latest.device)
-            self._columns.append(self._latest.gather(1, last).squeeze(1))
-            self._picked.append(last.squeeze(1))
-        self._latest = None
-        if num_tokens == 0:
-            return generated.new_zeros(generated.size(0), 0, dtype=torch.float32)
-        picked = torch.stack(self._picked[:num_tokens], dim=1) if len(self._picked) >= num_tokens else None
-        if picked is None or not torch.equal(picked, generated.to(picked.device)):
-            # e.g. chunked prefill or assisted decoding: forwards that are not one step per generated token
-            raise RuntimeError(
-                "The behavior log-probs recorded during generation do not line up with the generated tokens (this "
-                "generation setup runs forwards that are not one per generated token); set "
-                "behavior_logps_source='forward'."
-            )
-        return torch.stack(self._columns[:num_tokens], dim=1)
-
-    def close(self) -> None:
-        self._handle.remove()
-
-
 def generation_target(module: nn.Module) -> nn.Module:
     """The causal LM whose forward ``generate`` calls (the base model of a PEFT model)."""
     return module.get_base_model() if hasattr(module, "get_base_model") else module
@@ -241,43 +54,61 @@ class RolloutSettings:
     """What a rollout needs from the trainer, copied once so the thread never reads the trainer."""
 
     tokenize_prompts: Callable[[list], list[list[int]]]
-    decode: Callable[[list[list[int]]], list[str]]
+    decode: Callable[[list[list[int]], list[list[int]], list], list]
+    """``decode(completion_ids, prompt_ids, prompts)``: completions as reward functions receive them."""
     generation_config: GenerationConfig
     eos_token_ids: list[int]
     pad_token_id: int
-    num_generations: int
     reward_funcs: list
     reward_func_names: list[str]
     reward_processing_classes: list
-    reward_weights: torch.Tensor
-    scale_rewards: str = "group"
-    multi_objective_aggregation: str = "sum_then_normalize"
     mask_truncated_completions: bool = False
     chunk_size: int | None = None
     pad_to_multiple_of: int | None = None
     autocast_dtype: torch.dtype | None = None
     """Mixed-precision dtype of the trainer's forward (bf16/fp16), applied to generation and behavior log-probs so
     they come from the same numerics as the training log-probs; None for full precision."""
-    reward_extra_kwargs: dict[str, Any] = field(default_factory=dict)
     behavior_logps_source: str = "generation"
     """``"generation"``: record the log-probs while generating (:class:`GenerationLogpsRecorder`); ``"forward"``:
     one extra no-grad forward over prompts and completions after generation."""
     temperature: float = 1.0
     """Temperature of the training log-probs (TRL's ``temperature``), used by ``"generation"``."""
+    sampling_generator: torch.Generator | None = None
+    """The generator's own random stream; ``None`` samples with ``generate``'s default (the global RNG)."""
+    sampling_seeds: Callable[[int], int] | None = None
+    """``sampling_seeds(index)``: the seed ``sampling_generator`` restarts from for batch ``index`` of the run, so a
+    batch's samples depend on the seed and the batch, not on what was generated before (a resumed run samples the
+    same); ``None`` continues the stream."""
+    deferred_reward_columns: frozenset[int] = frozenset()
+    """Reward functions left to the trainer's main thread (reward models partitioned by ZeRO-3)."""
+    async_loop: Any = None
+    """Event loop that runs ``async def`` reward functions (TRL's daemon loop)."""
+    chat_template_kwargs: dict = field(default_factory=dict)
+    _fallback_warned: bool = False
 
 
-def run_rollout(settings: RolloutSettings, module: nn.Module, rows: list[dict], should_stop=None) -> ScoredBatch:
-    """Generate, compute behavior log-probs with the same weights, score, and compute advantages for ``rows``."""
-    device = next(module.parameters()).device
-    timings = {}
-    prompts = [row["prompt"] for row in rows]
-    prompt_ids_list = settings.tokenize_prompts(prompts)
+def run_rollout(
+    settings: RolloutSettings, module: nn.Module, rows: list[dict], should_stop=None, trainer_state=None, index=0
+) -> ScoredBatch:
+    """Generate, compute behavior log-probs with the same weights, and score ``rows`` with the reward functions.
 
+    ``trainer_state`` is what reward functions receive as ``trainer_state`` (the state of the weights' version);
+    ``index`` is the batch's position in the run (for its sampling seed). Values reward functions pass to
+    ``log_metric`` and ``log_extra`` are kept with the batch for the trainer to log.
+    """
     if settings.behavior_logps_source not in BEHAVIOR_LOGPS_SOURCES:
         raise ValueError(
             f"behavior_logps_source={settings.behavior_logps_source!r} must be one of {BEHAVIOR_LOGPS_SOURCES}."
         )
-    record = settings.behavior_logps_source == "generation"
+    device = next(module.parameters()).device
+    timings = {}
+    prompts = [row["prompt"] for row in rows]
+    prompt_ids_list = settings.tokenize_prompts(prompts)
+    if settings.sampling_generator is not None and settings.sampling_seeds is not None:
+        settings.sampling_generator.manual_seed(settings.sampling_seeds(index))
+
+    wants_record = settings.behavior_logps_source == "generation"
+    record = wants_record and records_logps(settings.generation_config)
     start = time.perf_counter()
     with torch.no_grad(), _autocast(device, settings.autocast_dtype):
         completion_ids_list, recorded_logps = _generate(settings, module, prompt_ids_list, device, should_stop, record)
@@ -293,10 +124,17 @@ def run_rollout(settings: RolloutSettings, module: nn.Module, rows: list[dict], 
         completion_mask = completion_mask * (~is_truncated).unsqueeze(1).long()
 
     start = time.perf_counter()
-    if record:
+    if recorded_logps is not None:
         behavior_logps = pad(recorded_logps, padding_value=0.0, padding_side="right")
         behavior_logps = torch.nn.functional.pad(behavior_logps, (0, completion_ids.size(1) - behavior_logps.size(1)))
     else:
+        if wants_record and not settings._fallback_warned:
+            settings._fallback_warned = True
+            logger.warning(
+                "The behavior log-probs could not be recorded during generation (this generation setup runs "
+                "forwards that are not one per generated token); they are computed with one extra forward pass "
+                "instead. Set behavior_logps_source='forward' to silence this."
+            )
         with torch.no_grad(), _autocast(device, settings.autocast_dtype):
             behavior_logps = per_token_logps_fused(
                 module,
@@ -307,11 +145,9 @@ def run_rollout(settings: RolloutSettings, module: nn.Module, rows: list[dict], 
             )
     timings["behavior_logps"] = time.perf_counter() - start
 
-    if is_conversational({"prompt": prompts[0]}):
-        completions = [[{"role": "assistant", "content": text}] for text in settings.decode(completion_ids_list)]
-    else:
-        completions = settings.decode(completion_ids_list)
-
+    completions = settings.decode(completion_ids_list, prompt_ids_list, prompts)
+    extra_logs: dict[str, list] = defaultdict(list)
+    logged_metrics: dict[str, list[float]] = defaultdict(list)
     start = time.perf_counter()
     rewards_per_func = score_completions(
         settings.reward_funcs,
@@ -321,14 +157,14 @@ def run_rollout(settings: RolloutSettings, module: nn.Module, rows: list[dict], 
         prompts,
         completions,
         completion_ids_list,
-        settings.reward_extra_kwargs,
-    )
-    advantages, rewards, is_std_zero = group_advantages(
-        rewards_per_func,
-        settings.reward_weights,
-        settings.num_generations,
-        settings.scale_rewards,
-        settings.multi_objective_aggregation,
+        {
+            "trainer_state": trainer_state,
+            "log_extra": lambda column, values: extra_logs[column].extend(values),
+            "log_metric": lambda name, value: logged_metrics[name].append(float(value)),
+        },
+        skip=settings.deferred_reward_columns,
+        async_loop=settings.async_loop,
+        chat_template_kwargs=settings.chat_template_kwargs,
     )
     timings["rewards"] = time.perf_counter() - start
 
@@ -338,31 +174,43 @@ def run_rollout(settings: RolloutSettings, module: nn.Module, rows: list[dict], 
         "completion_ids": completion_ids,
         "completion_mask": completion_mask,
         "behavior_logps": behavior_logps.cpu() if device.type != "cpu" else behavior_logps,
-        "advantages": advantages,
         "is_truncated": is_truncated,
-        "is_std_zero": is_std_zero,
+        "completion_lengths": torch.tensor([len(ids) for ids in completion_ids_list]),
     }
-    texts = {"prompt": prompts, "completion": completions}
     return ScoredBatch(
-        index=-1, version=-1, tensors=tensors, rewards_per_func=rewards_per_func, texts=texts, timings=timings
+        index=-1,
+        version=-1,
+        tensors=tensors,
+        rewards_per_func=rewards_per_func,
+        texts={"prompt": prompts, "completion": completions},
+        timings=timings,
+        rows=rows,
+        extra_logs=dict(extra_logs),
+        logged_metrics=dict(logged_metrics),
     )
 
 
 def _generate(
     settings: RolloutSettings, module, prompt_ids_list, device, should_stop, record_logps: bool
 ) -> tuple[list[list[int]], list[torch.Tensor] | None]:
-    """Completion ids per row, cut after the first EOS, and (``record_logps``) their behavior log-probs."""
+    """Completion ids per row, cut after the first EOS, and (``record_logps``) their behavior log-probs, ``None``
+    when they could not be recorded."""
     chunk = settings.chunk_size or len(prompt_ids_list)
     stopping = None
     if should_stop is not None:
         stopping = StoppingCriteriaList([_CallableStop(should_stop)])
+    extra = {}
+    if settings.sampling_generator is not None and samples_with_own_stream(settings.generation_config):
+        extra["custom_generate"] = OwnStreamSampling(settings.sampling_generator)
     completions: list[list[int]] = []
     logps: list[torch.Tensor] | None = [] if record_logps else None
     eos = torch.tensor(settings.eos_token_ids, device=device)
     for start in range(0, len(prompt_ids_list), chunk):
         ids, mask = _pad_rows(prompt_ids_list[start : start + chunk], settings.pad_token_id, "left", None)
         ids, mask = ids.to(device), mask.to(device)
-        recorder = GenerationLogpsRecorder(generation_target(module), settings.temperature) if record_logps else None
+        recorder = (
+            GenerationLogpsRecorder(generation_target(module), settings.temperature) if logps is not None else None
+        )
         try:
             output = module.generate(
                 input_ids=ids,
@@ -370,12 +218,15 @@ def _generate(
                 generation_config=settings.generation_config,
                 stopping_criteria=stopping,
                 synced_gpus=False,  # transformers turns it on under ZeRO-3: a collective per token would deadlock
+                **extra,
             )
         finally:
             if recorder is not None:
                 recorder.close()
         generated = output[:, ids.size(1) :]
-        chunk_logps = recorder.finish(generated).cpu() if recorder is not None else None
+        chunk_logps = recorder.finish(generated) if recorder is not None else None
+        if recorder is not None and chunk_logps is None:
+            logps = None  # misaligned: the caller computes them with a forward pass instead
         is_eos = torch.isin(generated, eos)
         eos_idx = torch.full((is_eos.size(0),), is_eos.size(1), dtype=torch.long, device=device)
         has_eos = is_eos.any(dim=1)
@@ -384,7 +235,7 @@ def _generate(
         keep = keep.cpu()
         completions.extend(row[m].tolist() for row, m in zip(generated.cpu(), keep))
         if logps is not None:
-            logps.extend(row[m] for row, m in zip(chunk_logps, keep))
+            logps.extend(row[m] for row, m in zip(chunk_logps.cpu(), keep))
     if should_stop is not None and should_stop():
         raise GenerationStopped
     return completions, logps
@@ -414,3 +265,16 @@ def _pad_rows(rows: list[list[int]], pad_value: int, side: str, pad_to_multiple_
         pad_to_multiple_of=pad_to_multiple_of,
     )
     return ids, mask
+
+
+def decode_completions(tokenizer, completion_ids, prompt_ids, prompts):
+    """Completions as GRPOTrainer passes them to reward functions: text, or for conversational prompts one assistant
+    message (parsed with the tokenizer's response template when it has one)."""
+    if not is_conversational({"prompt": prompts[0]}):
+        return tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    if getattr(tokenizer, "response_template", None) is not None or getattr(tokenizer, "response_schema", None):
+        from trl.chat_template_utils import parse_response
+
+        return [[parse_response(tokenizer, ids, prefix=prefix)] for ids, prefix in zip(completion_ids, prompt_ids)]
+    contents = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    return [[{"role": "assistant", "content": content}] for content in contents]

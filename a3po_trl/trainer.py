@@ -2,10 +2,11 @@
 
 What changes relative to `GRPOTrainer`, and where:
 
-- ``_prepare_inputs`` takes scored, versioned batches from the :class:`~a3po_trl.generation.GenerationEngine`
-  instead of generating with the training module, then buffers and splits them exactly as TRL does.
+- ``_prepare_inputs`` takes versioned batches from the :class:`~a3po_trl.generation.GenerationEngine` (generated and
+  scored in its thread, with the generator's own copy of the weights) instead of generating with the training module,
+  computes their advantages from every process's rewards as GRPOTrainer does, then buffers and splits them as TRL does.
 - ``compute_loss`` computes per-token staleness, the proximal log-probs (A-3PO interpolation, or a forward pass),
-  and the decoupled PPO loss from :mod:`a3po_trl.functional`, aggregated per ``loss_type``.
+  and the decoupled form of the configured loss (:mod:`a3po_trl.losses`).
 - A callback publishes the weights to the generator after every optimizer step.
 - ``train`` starts the engine lazily and always stops and joins its thread.
 
@@ -16,36 +17,30 @@ from __future__ import annotations
 
 import copy
 import logging
-import threading
 import time
 from collections import defaultdict
 
+import numpy as np
 import torch
-from datasets import IterableDataset
+from accelerate.utils import gather_object
+from torch import nn
 from transformers import TrainerCallback
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOTrainer
 from trl.data_utils import is_conversational
 from trl.trainer.utils import add_fused_lm_head, shuffle_sequence_dict, split_tensor_dict, use_adapter
 
 from .config import AsyncA3POConfig
 from .distributed import destroy_process_group_at_exit
-from .functional import (
-    LOSS_TYPES,
-    aggregate_loss,
-    approximate_proximal_logps,
-    decoupled_ppo_loss,
-    kl_to_reference,
-    proximal_approximation_error,
-)
-from .generation import (
-    GenerationEngine,
-    GeneratorPolicy,
-    batches_needed,
-    repeated_prompt_batches,
-    staleness_bound_schedule,
-)
-from .metrics import batch_metrics, loss_metrics
-from .rollout import RolloutSettings, generation_target, run_rollout
+from .generation import GenerationEngine, GeneratorPolicy
+from .losses import DecoupledLossMixin
+from .metrics import batch_metrics
+from .model_patches import align_position_ids_with_generation, cast_lm_head_to_fp32
+from .prompts import repeated_prompt_batches
+from .rollout import RolloutSettings, decode_completions, generation_target, run_rollout
+from .sampling import records_logps, samples_with_own_stream, sampling_deviations
+from .schedule import TrainingLoopShape, oldest_allowed_version, plan_generation_batches, run_micro_steps
+from .scoring import group_advantages, score_with_reward_model, warn_about_unscorable_rows
+from .validation import check_supported, check_train_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -60,12 +55,17 @@ class _PublishWeightsCallback(TrainerCallback):
         self.trainer._publish_weights()
 
 
-class AsyncA3POTrainer(GRPOTrainer):
+class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
     """GRPO with asynchronous generation and A-3PO's staleness-aware proximal policy.
 
     Constructed exactly like :class:`trl.GRPOTrainer` (model id or model, ``reward_funcs``, ``args``,
     ``train_dataset``, ``eval_dataset``, ``processing_class``, ``reward_processing_classes``, ``callbacks``,
     ``optimizers``, ``peft_config``), with an :class:`~a3po_trl.AsyncA3POConfig` as ``args``.
+
+    Reward functions run in the generation thread. They receive what GRPOTrainer passes (``prompts``,
+    ``completions``, ``completion_ids``, the dataset columns, ``log_metric``, ``log_extra``), and as ``trainer_state``
+    a snapshot of the trainer state at the optimizer step whose weights generated the batch (the live state belongs to
+    the training thread). ``async def`` reward functions run on TRL's event loop.
 
     Example:
 
@@ -94,11 +94,15 @@ class AsyncA3POTrainer(GRPOTrainer):
                 f"AsyncA3POTrainer needs `args` to be an AsyncA3POConfig, got {type(args).__name__}. Build it with "
                 "the same arguments: AsyncA3POConfig(**your_grpo_kwargs)."
             )
-        _check_supported(args, kwargs)
-        _check_train_dataset(train_dataset)
+        check_supported(args, kwargs)
+        check_train_dataset(train_dataset)
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, **kwargs)
         self._check_supported_after_init()
-        self._warn_about_biased_sampling()
+        self._generation_config_checked = self._checked_generation_config()
+        self._warn_about_dropout()
+        for module in (self.model, self.accelerator.unwrap_model(self.ref_model) if self.ref_model else None):
+            if module is not None:
+                align_position_ids_with_generation(module)
         # The accelerator initialized the process group by now; end it before interpreter exit (see distributed.py).
         destroy_process_group_at_exit()
 
@@ -106,43 +110,27 @@ class AsyncA3POTrainer(GRPOTrainer):
         self.last_generation_engine: GenerationEngine | None = None
         """The engine of the latest `train()` call, kept after it stops for inspection (counters, queue, policy)."""
         self._policy: GeneratorPolicy | None = None
-        self._run_start_version = 0
+        self._run_start_step = 0
+        self._steps_in_epoch: int | None = None
+        self._micro_steps = []
+        self._schedule_warned = False
         self._weight_sync_seconds = 0.0
         self._a3po_counters = defaultdict(float)
-        self._generator_metrics = defaultdict(list)
-        self._generator_metrics_lock = threading.Lock()
         self.add_callback(_PublishWeightsCallback(self))
 
     # ---- validation ------------------------------------------------------------------------------------------------
-    def _warn_about_biased_sampling(self):
-        """Behavior log-probs score the temperature-scaled distribution; truncated sampling draws from another one."""
-        truncations = []
-        if self.top_p is not None and self.top_p < 1.0:
-            truncations.append(f"top_p={self.top_p}")
-        if self.top_k:
-            truncations.append(f"top_k={self.top_k}")
-        if self.min_p:
-            truncations.append(f"min_p={self.min_p}")
-        if self.repetition_penalty not in (None, 1.0):
-            truncations.append(f"repetition_penalty={self.repetition_penalty}")
-        if truncations:
-            logger.warning(
-                "Sampling with %s draws tokens from a different distribution than the temperature-scaled one the "
-                "behavior and training log-probs are computed from, which biases the importance ratios. Unset them "
-                "(top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0) for unbiased A-3PO updates.",
-                ", ".join(truncations),
-            )
-
     def _check_supported_after_init(self):
         if self._is_vlm:
             raise NotImplementedError(
-                "AsyncA3POTrainer does not support vision-language models yet; pass a text-only causal LM."
+                "AsyncA3POTrainer does not support vision-language models yet (its generator scores text only); "
+                "train them with trl.GRPOTrainer, or pass a text-only causal LM."
             )
-        if self.aux_loss_enabled:
+        if self.is_fsdp_enabled:
             raise NotImplementedError(
-                "AsyncA3POTrainer does not support the MoE router auxiliary loss yet; set router_aux_loss_coef=0.0."
+                "FSDP is not supported yet (the generator's copy of the weights is built from whole parameters); use "
+                "DDP or DeepSpeed ZeRO-2/3 (`accelerate launch --config_file examples/accelerate_configs/...`)."
             )
-        if self.train_dataset is not None:
+        if self.train_dataset is not None and hasattr(self.train_dataset, "__len__"):
             prompts_needed = self.args.generation_batch_size // self.num_generations
             if len(self.train_dataset) < prompts_needed:
                 raise ValueError(
@@ -151,8 +139,48 @@ class AsyncA3POTrainer(GRPOTrainer):
                     f"{self.num_generations}). Add prompts or lower per_device_train_batch_size or "
                     "steps_per_generation."
                 )
-        if self.is_fsdp_enabled:
-            raise NotImplementedError("FSDP is not supported yet; use DDP or DeepSpeed ZeRO-2.")
+
+    def _checked_generation_config(self):
+        """The generation config ``generate`` will really use (TRL's, completed from the model's own), checked: its
+        temperature must be the one the training log-probs are scaled by, and whatever else makes it sample from
+        another distribution than ``softmax(logits / temperature)`` is reported."""
+        target = generation_target(self._unwrapped_model())
+        config = copy.deepcopy(self.generation_config)
+        try:
+            config, _ = target._prepare_generation_config(config)
+        except (AttributeError, TypeError):  # a transformers without the merge helper: use TRL's config as it is
+            pass
+        if config.temperature is not None and abs(config.temperature - self.temperature) > 1e-12:
+            source = (
+                "generation_kwargs"
+                if "temperature" in (self.args.generation_kwargs or {})
+                else "the model's generation_config"
+            )
+            raise ValueError(
+                f"{source} sets temperature={config.temperature}, but the training log-probs are scaled by "
+                f"temperature={self.temperature}: behavior and training log-probs would score different "
+                f"distributions. Set temperature={config.temperature} in the config instead of in {source}."
+            )
+        deviations = sampling_deviations(config)
+        if deviations:
+            logger.warning(
+                "Sampling with %s draws tokens from a different distribution than the temperature-scaled one the "
+                "behavior and training log-probs are computed from, which biases the importance ratios (set in the "
+                "config, generation_kwargs, or the model's generation_config). Leave them at their neutral values "
+                "(top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0, ...) for unbiased A-3PO updates.",
+                ", ".join(deviations),
+            )
+        return config
+
+    def _warn_about_dropout(self):
+        if self.args.disable_dropout:
+            return
+        if any(isinstance(m, nn.Dropout) and m.p > 0 for m in self.model.modules()):
+            logger.warning(
+                "disable_dropout=False leaves dropout on in the training forward, while the generator samples and "
+                "scores its tokens without dropout: on-policy importance ratios then differ from 1 by the dropout "
+                "noise. Set disable_dropout=True (GRPOConfig's default) for unbiased A-3PO updates."
+            )
 
     # ---- generation engine -----------------------------------------------------------------------------------------
     def _unwrapped_model(self):
@@ -163,11 +191,17 @@ class AsyncA3POTrainer(GRPOTrainer):
         cast_fp32 = self.args.cast_lm_head_to_fp32
 
         def patch(module):
-            add_fused_lm_head(generation_target(module), temperature=temperature, cast_lm_head_to_fp32=cast_fp32)
+            # Re-apply to the copy what the trainer applied to the training model (GeneratorPolicy strips the
+            # instance patches, which close over the training module).
+            target = generation_target(module)
+            if cast_fp32:
+                cast_lm_head_to_fp32(target)
+            add_fused_lm_head(target, temperature=temperature, cast_lm_head_to_fp32=cast_fp32)
+            align_position_ids_with_generation(module)
 
         device = self.args.generation_device or self.accelerator.device
         gather = None
-        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+        if self._zero3:
             import deepspeed
 
             def gather(params):
@@ -175,8 +209,20 @@ class AsyncA3POTrainer(GRPOTrainer):
 
         return GeneratorPolicy(self._unwrapped_model(), device=device, patch_fn=patch, gather=gather)
 
-    def _rollout_settings(self) -> RolloutSettings:
-        tokenizer = copy.deepcopy(self.processing_class)  # the thread gets its own tokenizer
+    @property
+    def _zero3(self) -> bool:
+        return bool(self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3)
+
+    def _deferred_reward_columns(self) -> frozenset[int]:
+        """Reward models whose forward is a collective (partitioned by ZeRO-3) are scored in the main thread."""
+        if not self._zero3:
+            return frozenset()
+        return frozenset(i for i, func in enumerate(self.reward_funcs) if isinstance(func, nn.Module))
+
+    def _rollout_settings(self, batch_numbers=None) -> RolloutSettings:
+        """What the generation thread needs, copied. ``batch_numbers(index)`` is the global number of batch ``index``
+        of the run (its position in the sampler's order over epochs), from which its sampling seed derives."""
+        tokenizer = copy.deepcopy(self.processing_class)  # the thread gets its own tokenizers
         chat_template, template_kwargs = self.chat_template, dict(self.chat_template_kwargs)
 
         def tokenize(prompts):
@@ -191,49 +237,80 @@ class AsyncA3POTrainer(GRPOTrainer):
                 )["input_ids"]
             return tokenizer(text=prompts)["input_ids"]
 
-        generation_config = copy.deepcopy(self.generation_config)
+        effective = self._generation_config_checked
+        generator = None
+        if samples_with_own_stream(effective):
+            generator = torch.Generator(device=self._policy.device)
+        else:
+            logger.warning(
+                "This generation config is not plain sampling (%s): the generator leaves token selection to "
+                "generate, which draws from the global RNG that the training thread also uses.",
+                ", ".join(sampling_deviations(effective)),
+            )
+        behavior_logps_source = self.args.behavior_logps_source
+        if behavior_logps_source == "generation" and not records_logps(effective):
+            behavior_logps_source = "forward"  # beams or assisted decoding: no one-forward-per-token to record from
         return RolloutSettings(
             tokenize_prompts=tokenize,
-            decode=lambda ids: tokenizer.batch_decode(ids, skip_special_tokens=True),
-            generation_config=generation_config,
+            decode=lambda ids, prompt_ids, prompts: decode_completions(tokenizer, ids, prompt_ids, prompts),
+            generation_config=copy.deepcopy(self.generation_config),
             eos_token_ids=list(self.eos_token_ids),
             pad_token_id=self._tokenizer.pad_token_id,
-            num_generations=self.num_generations,
-            reward_funcs=self.reward_funcs,
-            reward_func_names=self.reward_func_names,
-            reward_processing_classes=self.reward_processing_classes,
-            reward_weights=self.reward_weights.clone(),
-            scale_rewards=self.scale_rewards,
-            multi_objective_aggregation=self.multi_objective_aggregation,
+            reward_funcs=list(self.reward_funcs),
+            reward_func_names=list(self.reward_func_names),
+            reward_processing_classes=[copy.deepcopy(c) for c in self.reward_processing_classes],
             mask_truncated_completions=self.mask_truncated_completions,
             chunk_size=self.args.generation_batch_chunk_size,
             pad_to_multiple_of=self.pad_to_multiple_of,
             autocast_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.accelerator.mixed_precision),
-            reward_extra_kwargs={"trainer_state": self.state, "log_metric": self._log_generator_metric},
-            behavior_logps_source=self.args.behavior_logps_source,
+            behavior_logps_source=behavior_logps_source,
             temperature=self.temperature,
+            sampling_generator=generator,
+            sampling_seeds=None if batch_numbers is None else self._sampling_seeds(batch_numbers),
+            deferred_reward_columns=self._deferred_reward_columns(),
+            async_loop=getattr(self, "async_loop", None),
+            chat_template_kwargs=template_kwargs,
         )
 
-    def _log_generator_metric(self, name: str, value: float):
-        """`log_metric` for reward functions running in the generation thread: buffered, merged at batch intake."""
-        with self._generator_metrics_lock:
-            self._generator_metrics[name].append(float(value))
+    def _sampling_seeds(self, batch_numbers):
+        """Seed of each batch's random stream: from ``args.seed``, the process and the batch's global number, so every
+        process and batch has its own stream and a resumed run regenerates a batch with the stream it had."""
+        process = self.accelerator.process_index
+
+        def seed(index: int) -> int:
+            sequence = np.random.SeedSequence([self.args.seed, process, batch_numbers(index)])
+            return int(sequence.generate_state(1, dtype=np.uint64)[0] >> 1)
+
+        return seed
+
+    def set_initial_training_values(self, args, dataloader):
+        # Trainer computes the loop's shape here; the batch schedule must follow the real loop (see schedule.py).
+        values = super().set_initial_training_values(args, dataloader)
+        self._steps_in_epoch = values[5]
+        return values
 
     def _start_engine(self):
         args = self.args
         if self._policy is None:
             self._policy = self._build_policy()
         start_version = self.state.global_step
-        self._run_start_version = start_version
-        consumed = batches_needed(
-            start_version, args.steps_per_generation, self.num_iterations, args.gradient_accumulation_steps
+        if self._steps_in_epoch is None:  # batches taken outside train(): the loop's shape from its dataloader
+            self.set_initial_training_values(args, self.get_train_dataloader())
+        shape = TrainingLoopShape(
+            steps_in_epoch=self._steps_in_epoch,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            max_steps=self.state.max_steps,
+            start_step=start_version,
+            skip_trained_data=not args.ignore_data_skip,
         )
-        num_batches = batches_needed(
-            self.state.max_steps - start_version,
-            args.steps_per_generation,
-            self.num_iterations,
-            args.gradient_accumulation_steps,
-        )
+        every = args.steps_per_generation * self.num_iterations
+        self._micro_steps = run_micro_steps(shape)
+        planned = plan_generation_batches(self._micro_steps, every)
+        batches_per_epoch = max(self._steps_in_epoch // every, 1)
+
+        def batch_number(index: int) -> int:
+            return planned[index].epoch * batches_per_epoch + planned[index].index_in_epoch
+
         prompt_batches = repeated_prompt_batches(
             self.train_dataset,
             num_generations=self.num_generations,
@@ -242,28 +319,22 @@ class AsyncA3POTrainer(GRPOTrainer):
             num_processes=self.accelerator.num_processes,
             shuffle=self.shuffle_dataset,
             seed=args.seed,
-            skip_batches=consumed,
+            skip_batches=batch_number(0) if planned else 0,
         )
-        settings = self._rollout_settings()
+        settings = self._rollout_settings(batch_number)
         self._engine = GenerationEngine(
             policy=self._policy,
             prompt_batches=prompt_batches,
-            rollout=lambda module, rows, should_stop: run_rollout(settings, module, rows, should_stop),
-            min_version=staleness_bound_schedule(
-                start_version,
-                args.steps_per_generation,
-                self.num_iterations,
-                args.gradient_accumulation_steps,
-                args.max_staleness,
-            ),
-            num_batches=num_batches,
+            rollout=lambda *args: run_rollout(settings, *args),
+            min_version=lambda index: oldest_allowed_version(planned[index], args.max_staleness, start_version),
+            num_batches=len(planned),
             queue_size=args.max_staleness + 1,
             asynchronous=args.async_generation,
             num_threads=args.generation_num_threads,
             poll_interval=args.generation_poll_interval,
         )
         self.last_generation_engine = self._engine
-        self._engine.start(self._unwrapped_model(), start_version)
+        self._engine.start(self._unwrapped_model(), start_version, self._state_snapshot())
 
     def _stop_engine(self):
         if self._engine is not None:
@@ -275,14 +346,25 @@ class AsyncA3POTrainer(GRPOTrainer):
                     self.args.generation_stop_timeout,
                 )
 
+    def _state_snapshot(self):
+        """A copy of the trainer state as it is now, for reward functions running beside the training thread."""
+        snapshot = copy.copy(self.state)
+        snapshot.log_history = list(self.state.log_history)
+        return snapshot
+
     def _publish_weights(self):
         if self._engine is not None:
-            self._weight_sync_seconds += self._engine.publish(self._unwrapped_model(), self.state.global_step)
+            model = self._unwrapped_model()
+            self._weight_sync_seconds += self._engine.publish(model, self.state.global_step, self._state_snapshot())
 
     def train(self, *args, **kwargs):
         previous_threads = torch.get_num_threads()
         if self.args.training_num_threads is not None:
             torch.set_num_threads(self.args.training_num_threads)
+        # Micro-steps are counted from the start of this run: its first one takes a new batch (see _prepare_inputs).
+        self._run_start_step = self._step
+        self._buffered_inputs = None
+        self._schedule_warned = False
         try:
             return super().train(*args, **kwargs)
         finally:
@@ -293,22 +375,62 @@ class AsyncA3POTrainer(GRPOTrainer):
     def _prepare_inputs(self, generation_batch):
         if not self.model.training:
             return super()._prepare_inputs(generation_batch)
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        if self._step % generate_every == 0 or self._buffered_inputs is None:
-            if self._engine is None:
-                self._start_engine()
-            batch = self._take_scored_batch()
-            batch = shuffle_sequence_dict(batch)
+        if self._engine is None:
+            self._start_engine()
+        run_step = self._step - self._run_start_step
+        if run_step >= len(self._micro_steps):
+            raise RuntimeError(
+                f"The training loop ran more micro-steps ({run_step + 1}) than its shape predicts "
+                f"({len(self._micro_steps)}); the generation batches of this run are used up."
+            )
+        planned = self._micro_steps[run_step]
+        if planned.version != self.state.global_step and not self._schedule_warned:
+            self._schedule_warned = True
+            logger.warning(
+                "The training loop is at optimizer step %d where its shape predicts %d; the staleness bound may not "
+                "hold for this run (the generator never waits for weights the trainer cannot publish).",
+                self.state.global_step,
+                planned.version,
+            )
+        position = planned.position % (self.args.steps_per_generation * self.num_iterations)
+        if position == 0 or self._buffered_inputs is None:
+            batch = shuffle_sequence_dict(self._take_scored_batch())
             self._buffered_inputs = split_tensor_dict(batch, self.args.steps_per_generation)
-        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+        return self._buffered_inputs[position % self.args.steps_per_generation]
 
     def _take_scored_batch(self) -> dict:
-        """Main thread: the next scored batch, moved to the device, with the collectives it needs (token count)."""
+        """Main thread: the next scored batch, with everything that needs every process (advantages, the token
+        count, reward models partitioned by ZeRO-3) or the training weights (recomputed and reference log-probs)."""
         device = self.accelerator.device
         scored, waited = self._engine.get()
         data = {k: v.to(device) for k, v in scored.tensors.items()}
-        is_truncated, is_std_zero = data.pop("is_truncated"), data.pop("is_std_zero")
+        is_truncated, completion_lengths = data.pop("is_truncated"), data.pop("completion_lengths")
         batch_size = data["completion_ids"].size(0)
+        prompts, completions = scored.texts["prompt"], scored.texts["completion"]
+
+        local_rewards = scored.rewards_per_func.to(device)
+        for i in self._deferred_reward_columns():
+            values = score_with_reward_model(
+                self.reward_funcs[i],
+                self.reward_processing_classes[i],
+                prompts,
+                completions,
+                self.chat_template_kwargs,
+            )
+            local_rewards[:, i] = torch.tensor(values, dtype=torch.float32, device=device)
+        warn_about_unscorable_rows(local_rewards, scored.rows, prompts, completions)
+        rewards_per_func = self.accelerator.gather(local_rewards)
+        advantages, _, is_std_zero = group_advantages(
+            rewards_per_func,
+            self.reward_weights,
+            self.num_generations,
+            self.scale_rewards,
+            self.multi_objective_aggregation,
+        )
+        process_slice = slice(
+            self.accelerator.process_index * batch_size, (self.accelerator.process_index + 1) * batch_size
+        )
+        data["advantages"] = advantages[process_slice]
         data["policy_version"] = torch.full((batch_size,), scored.version, dtype=torch.long, device=device)
         data["num_items_in_batch"] = self.accelerator.gather(data["completion_mask"].sum()).sum()
 
@@ -325,13 +447,51 @@ class AsyncA3POTrainer(GRPOTrainer):
                     logits_to_keep,
                     batch_size=self.args.per_device_train_batch_size,
                 )[0]
+            data["recompute_version"] = torch.full((batch_size,), self.state.global_step, device=device)
             self._sync_if_cuda()
             self._a3po_counters["recompute_seconds"] += time.perf_counter() - start
         if self.beta != 0.0:
             data["ref_per_token_logps"] = self._reference_logps(prompt_completion_ids, attention_mask, logits_to_keep)
 
-        self._log_batch_metrics(scored, data, waited, is_truncated, is_std_zero)
+        values, tokens_seen = batch_metrics(
+            self.accelerator,
+            scored,
+            completion_lengths=completion_lengths,
+            prompt_lengths=data["prompt_mask"].sum(1),
+            is_truncated=is_truncated,
+            rewards_per_func=rewards_per_func,
+            is_std_zero=is_std_zero,
+            waited=waited,
+            queue_depth=len(self._engine.queue),
+            reward_weights=self.reward_weights,
+            reward_func_names=self.reward_func_names,
+        )
+        self.state.num_input_tokens_seen += tokens_seen
+        metrics = self._metrics["train"]
+        metrics["num_tokens"] = [self.state.num_input_tokens_seen]
+        values["async/weight_sync_time"] = self._weight_sync_seconds
+        self._weight_sync_seconds = 0.0
+        for name, value in values.items():
+            metrics[name].append(value)
+        self._log_reward_function_outputs(scored, prompts, completions, rewards_per_func, advantages)
         return data
+
+    def _log_reward_function_outputs(self, scored, prompts, completions, rewards_per_func, advantages):
+        """GRPOTrainer's completion table and what reward functions logged, gathered over processes in the same
+        (sorted) order on every process."""
+        self._logs["prompt"].extend(gather_object(prompts))
+        self._logs["completion"].extend(gather_object(completions))
+        for i, name in enumerate(self.reward_func_names):
+            self._logs["rewards"][name].extend(rewards_per_func[:, i].tolist())
+        self._logs["advantages"].extend(advantages.tolist())
+        for column in sorted(set(gather_object(list(scored.extra_logs)))):
+            values = scored.extra_logs.get(column, [None] * len(prompts))
+            self._logs["extra"][column].extend(gather_object(values))
+        for name in sorted(set(gather_object(list(scored.logged_metrics)))):
+            values = scored.logged_metrics.get(name, [])
+            local = torch.tensor([sum(values), len(values)], dtype=torch.float32, device=self.accelerator.device)
+            total, count = self.accelerator.gather(local).view(-1, 2).sum(dim=0).tolist()
+            self._metrics["train"][name].append(total / count)
 
     @torch.no_grad()
     def _reference_logps(self, input_ids, attention_mask, logits_to_keep):
@@ -349,170 +509,3 @@ class AsyncA3POTrainer(GRPOTrainer):
     def _sync_if_cuda(self):
         if self.accelerator.device.type == "cuda":
             torch.cuda.synchronize(self.accelerator.device)
-
-    def _log_batch_metrics(self, scored, data, waited, is_truncated, is_std_zero):
-        values, tokens_seen, rewards_per_func = batch_metrics(
-            self.accelerator,
-            scored,
-            data,
-            waited=waited,
-            is_truncated=is_truncated,
-            is_std_zero=is_std_zero,
-            queue_depth=len(self._engine.queue),
-            reward_weights=self.reward_weights,
-            reward_func_names=self.reward_func_names,
-            pad_token_id=self._tokenizer.pad_token_id,
-        )
-        self.state.num_input_tokens_seen += tokens_seen
-        metrics = self._metrics["train"]
-        metrics["num_tokens"] = [self.state.num_input_tokens_seen]
-        values["async/weight_sync_time"] = self._weight_sync_seconds
-        self._weight_sync_seconds = 0.0
-        with self._generator_metrics_lock:
-            values.update({name: sum(v) / len(v) for name, v in self._generator_metrics.items() if v})
-            self._generator_metrics.clear()
-        for name, value in values.items():
-            metrics[name].append(value)
-
-        if self.log_completions:
-            from accelerate.utils import gather_object
-
-            self._logs["prompt"].extend(gather_object(scored.texts["prompt"]))
-            self._logs["completion"].extend(gather_object(scored.texts["completion"]))
-            for i, name in enumerate(self.reward_func_names):
-                self._logs["rewards"][name].extend(rewards_per_func[:, i].tolist())
-            self._logs["advantages"].extend(self.accelerator.gather(data["advantages"]).tolist())
-
-    # ---- loss ------------------------------------------------------------------------------------------------------
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if return_outputs:
-            raise ValueError("The AsyncA3POTrainer does not support returning outputs")
-        if "behavior_logps" not in inputs:  # evaluation batches come from GRPOTrainer's synchronous path
-            return self._compute_loss(model, inputs)
-        return self._compute_a3po_loss(model, inputs)
-
-    def _compute_a3po_loss(self, model, inputs):
-        args = self.args
-        mode = "train" if self.model.training else "eval"
-        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
-        completion_ids, mask = inputs["completion_ids"], inputs["completion_mask"]
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        attention_mask = torch.cat([prompt_mask, mask], dim=1)
-        logits_to_keep = completion_ids.size(1)
-        current_logps, entropies, _ = self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, compute_entropy=True
-        )
-        behavior_logps = inputs["behavior_logps"]
-        staleness = (self.state.global_step - inputs["policy_version"]).clamp(min=0)
-
-        start = time.perf_counter()
-        loglinear_logps = None
-        if args.prox_logp_method in ("loglinear", "metrics"):
-            loglinear_logps = approximate_proximal_logps(behavior_logps, current_logps, staleness)
-        if args.prox_logp_method == "loglinear":
-            self._sync_if_cuda()
-            self._a3po_counters["loglinear_seconds"] += time.perf_counter() - start
-            proximal_logps = loglinear_logps
-        else:
-            proximal_logps = inputs["recomputed_proximal_logps"]
-
-        per_token_loss, stats = decoupled_ppo_loss(
-            current_logps,
-            proximal_logps,
-            behavior_logps,
-            inputs["advantages"],
-            mask,
-            epsilon_low=self.epsilon_low,
-            epsilon_high=self.epsilon_high,
-            behavior_weight_cap=args.behavior_weight_cap,
-            cap_mode=args.behavior_weight_cap_mode,
-        )
-        if self.beta != 0.0:
-            per_token_kl = kl_to_reference(current_logps, inputs["ref_per_token_logps"])
-            if args.use_bias_correction_kl:
-                # Unbiased reverse-KL gradient under samples from the behavior policy: weight by pi_theta / pi_behav,
-                # written r * rho so the weight carries the same cap as the policy term.
-                finite_prox = torch.where(torch.isfinite(proximal_logps), proximal_logps, current_logps.detach())
-                per_token_kl = per_token_kl * torch.exp(current_logps - finite_prox) * stats["behavior_weight"]
-            per_token_loss = per_token_loss + self.beta * per_token_kl
-        train = mode == "train"
-        loss = aggregate_loss(
-            per_token_loss,
-            mask,
-            self.loss_type,
-            gradient_accumulation_steps=self.current_gradient_accumulation_steps if train else 1,
-            max_completion_length=self.max_completion_length,
-            num_items_in_batch=inputs["num_items_in_batch"],
-            num_processes=self.accelerator.num_processes,
-            steps_per_generation=args.steps_per_generation if train else 1,
-        )
-        self._log_loss_metrics(mode, mask, staleness, entropies, stats, per_token_kl if self.beta != 0.0 else None)
-        if args.prox_logp_method == "metrics":
-            errors = proximal_approximation_error(loglinear_logps, proximal_logps, behavior_logps, mask)
-            reduced = self.accelerator.reduce(torch.stack(list(errors.values())), reduction="mean")
-            for name, value in zip(errors, reduced.tolist()):
-                self._metrics[mode][f"a3po/approx_{name}"].append(value)
-        return loss
-
-    def _log_loss_metrics(self, mode, mask, staleness, entropies, stats, per_token_kl):
-        values = loss_metrics(
-            self.accelerator, mask, staleness, entropies, stats, per_token_kl, max_staleness=self.args.max_staleness
-        )
-        counters = self._a3po_counters
-        values["a3po/prox_time"] = counters.pop("loglinear_seconds", 0.0) + counters.pop("recompute_seconds", 0.0)
-        for name, value in values.items():
-            self._metrics[mode][name].append(value)
-
-
-_UNSUPPORTED_ARGS = {
-    "use_vllm": (True, "generation runs in the trainer's own generator thread; set use_vllm=False"),
-    "use_transformers_continuous_batching": (True, "set use_transformers_continuous_batching=False"),
-    "importance_sampling_level": (
-        "sequence",
-        "the decoupled loss is per token; set importance_sampling_level='token'",
-    ),
-    "use_adaptive_entropy": (True, "set use_adaptive_entropy=False"),
-}
-
-
-def _check_supported(args: GRPOConfig, kwargs: dict) -> None:
-    """Reject, before any model is loaded, the GRPOConfig options this trainer cannot honour."""
-    if args.loss_type not in LOSS_TYPES:
-        raise NotImplementedError(
-            f"loss_type={args.loss_type!r} is not supported by AsyncA3POTrainer; choose one of {LOSS_TYPES}."
-        )
-    for name, (bad_value, fix) in _UNSUPPORTED_ARGS.items():
-        if getattr(args, name, None) == bad_value:
-            raise NotImplementedError(f"{name}={bad_value!r} is not supported by AsyncA3POTrainer: {fix}.")
-    if args.top_entropy_quantile < 1.0:
-        raise NotImplementedError("top_entropy_quantile < 1.0 is not supported yet; set top_entropy_quantile=1.0.")
-    if args.off_policy_mask_threshold is not None:
-        raise NotImplementedError(
-            "off_policy_mask_threshold is not supported: A-3PO's behavior weight cap handles off-policy tokens; "
-            "unset off_policy_mask_threshold and use behavior_weight_cap."
-        )
-    if args.delta is not None:
-        raise NotImplementedError("delta (two-sided clipping) is not supported yet; set delta=None.")
-    if args.entropy_coef != 0.0:
-        raise NotImplementedError("entropy_coef != 0 (entropy bonus) is not supported yet; set entropy_coef=0.0.")
-    for name in ("tools", "rollout_func", "environment_factory"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"`{name}` is not supported by AsyncA3POTrainer yet; leave it unset.")
-
-
-def _check_train_dataset(dataset) -> None:
-    if dataset is None:
-        return
-    if isinstance(dataset, IterableDataset):
-        raise NotImplementedError(
-            "An IterableDataset train_dataset is not supported yet: the generator samples prompts by index. Convert "
-            "it with datasets.Dataset.from_generator or .from_list."
-        )
-    if len(dataset) == 0:
-        raise ValueError("train_dataset is empty; it needs at least one generation batch worth of prompts.")
-    columns = getattr(dataset, "column_names", None)
-    if columns is not None and "prompt" not in columns:
-        raise ValueError(
-            f"train_dataset has no 'prompt' column (columns: {columns}). Rename the column holding the prompts, "
-            "e.g. dataset.rename_column('question', 'prompt')."
-        )

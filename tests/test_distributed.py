@@ -51,7 +51,7 @@ main_process_port: {port}
 """
 
 
-def _launch(tmp_path, name, lora, port):
+def _launch(tmp_path, name, lora, port, *extra):
     config = tmp_path / f"{name}.yaml"
     config.write_text(COMMON.format(port=port) + textwrap.dedent(CONFIGS[name]))
     out = tmp_path / "out"
@@ -60,6 +60,7 @@ def _launch(tmp_path, name, lora, port):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), SCRIPT, str(out)]
     if lora:
         cmd.append("--lora")
+    cmd.extend(extra)
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     assert "terminate called" not in result.stderr, result.stderr[-6000:]
@@ -92,3 +93,28 @@ def test_two_processes_train_and_agree(tmp_path, name, lora):
         assert first["copied_parameters"] < 0.05 * (first["copied_parameters"] + first["shared_parameters"] + 35168)
         if name != "zero3":  # ZeRO-3 shards the base, so the generator holds its own unsharded copy of it
             assert first["shared_parameters"] > 0
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero3"])
+def test_reward_models_and_batch_normalised_advantages_use_every_process(tmp_path, name):
+    """A reward model partitioned by ZeRO-3 runs collectives: it is scored in the main thread there (in the
+    generation thread otherwise). Advantages normalised by the batch's std use the std of every process's rewards,
+    as GRPOTrainer computes it."""
+    import torch
+
+    from a3po_trl.scoring import group_advantages
+
+    port = 29950 + hash(name) % 40
+    reports = _launch(tmp_path, name, False, port, "--reward-model")
+    for r in reports:
+        expected_thread = "MainThread" if name == "zero3" else "a3po-generation"
+        assert r["reward_model_threads"] == [expected_thread]
+        assert r["global_step"] == 4 and r["batches_consumed"] == 4
+    for step in range(4):
+        calls = [r["advantage_calls"][step] for r in reports]
+        assert calls[0]["rewards"] == calls[1]["rewards"]  # both processes see all rewards
+        rewards = torch.tensor(calls[0]["rewards"])
+        assert rewards.shape == (8, 2)  # 2 processes x 4 completions, 2 reward functions
+        expected, _, _ = group_advantages(rewards, torch.ones(2), 4, scale_rewards="batch")
+        local = reports[0]["local_advantages"][step] + reports[1]["local_advantages"][step]
+        assert torch.allclose(torch.tensor(sorted(local)), torch.sort(expected).values, atol=1e-6)

@@ -40,11 +40,12 @@ class ScriptedModel(torch.nn.Module):
         return torch.cat([input_ids, torch.tensor(rows)], dim=1)
 
 
-def test_scores_every_problem_in_dataset_order(tokenizer):
+def test_scores_every_problem_in_dataset_order(tokenizer, capsys):
     dataset = make_prompts(10)
     model = ScriptedModel(tokenizer)
     model.train()
     result = evaluate_accuracy(model, tokenizer, dataset, max_new_tokens=16, batch_size=4, num_samples=3)
+    assert "Evaluating 10 problems" in capsys.readouterr().err  # a progress bar, not minutes of silence
     expected = [int(a % 2 == 0) for a in range(10)]
     assert result["correct"] == expected
     assert result["count"] == 10 and result["num_correct"] == 5

@@ -211,8 +211,14 @@ def test_aggregate_loss_types():
         num_processes=2,
     )
     assert torch.isclose(dapo, torch.tensor(10 / (8 / 2 * 2 / 2)))
+    assert torch.isclose(aggregate_loss(per_token, mask, "sapo"), aggregate_loss(per_token, mask, "grpo"))
+    luspo = aggregate_loss(per_token, mask, "luspo", gradient_accumulation_steps=2)
+    assert torch.isclose(luspo, torch.tensor((6.0 + 4.0) / 2 / 2))  # sequence sums, their mean
+    for loss_type in ("cispo", "vespo"):
+        same = aggregate_loss(per_token, mask, loss_type, num_items_in_batch=torch.tensor(8.0))
+        assert torch.isclose(same, aggregate_loss(per_token, mask, "dapo", num_items_in_batch=torch.tensor(8.0)))
     with pytest.raises(ValueError, match="loss_type"):
-        aggregate_loss(per_token, mask, "sapo")
+        aggregate_loss(per_token, mask, "ppo")
     with pytest.raises(ValueError, match="num_items_in_batch"):
         aggregate_loss(per_token, mask, "dapo")
 

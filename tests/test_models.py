@@ -218,6 +218,20 @@ def test_interrupted_conversion_leaves_no_model_dir(fake_wheel, monkeypatch):
     assert not list(fake_wheel.glob(models._TEMP_PREFIX + "*"))
 
 
+def test_conversion_reports_its_stages(fake_wheel, monkeypatch, capsys):
+    monkeypatch.setattr(models, "_convert", _fake_convert)
+    ensure_smollm2(fake_wheel)
+    stages = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[a3po-trl] SmolLM2")]
+    assert [line.split(":")[0] for line in stages[:3]] == [
+        "[a3po-trl] SmolLM2 (one time) 2/4",
+        "[a3po-trl] SmolLM2 (one time) 3/4",
+        "[a3po-trl] SmolLM2 (one time) 4/4",
+    ]
+    assert "converted in" in stages[-1]
+    ensure_smollm2(fake_wheel)  # cached: silent
+    assert "[a3po-trl]" not in capsys.readouterr().err
+
+
 def test_force_reconverts(fake_wheel, monkeypatch):
     calls = []
     monkeypatch.setattr(models, "_convert", lambda g, o: (calls.append(1), _fake_convert(g, o)))

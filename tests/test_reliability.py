@@ -11,7 +11,7 @@ from test_trainer import COMMON, logged, make_trainer
 from tiny import length_reward, make_model, make_prompts
 from transformers import AutoModelForCausalLM, TrainerCallback
 
-from a3po_trl import AsyncA3POConfig
+from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
 
 BAD_CONFIGS = [
     ({"max_staleness": -1}, "max_staleness=-1"),
@@ -36,12 +36,8 @@ def test_bad_config_values_name_the_field(tmp_path, overrides, message):
 
 
 BAD_OPTIONS = [
-    ({"loss_type": "cispo"}, "loss_type='cispo'"),
-    ({"importance_sampling_level": "sequence"}, "importance_sampling_level"),
-    ({"top_entropy_quantile": 0.5}, "top_entropy_quantile"),
-    ({"off_policy_mask_threshold": 0.1}, "off_policy_mask_threshold"),
-    ({"delta": 2.0}, "delta"),
-    ({"entropy_coef": 0.01}, "entropy_coef"),
+    ({"use_vllm": True}, "use_vllm=True is not supported.*set use_vllm=False"),
+    ({"use_transformers_continuous_batching": True}, "use_transformers_continuous_batching=False"),
 ]
 
 
@@ -49,6 +45,19 @@ BAD_OPTIONS = [
 def test_unsupported_options_are_rejected_before_the_model_loads(tokenizer, tmp_path, overrides, message):
     with pytest.raises(NotImplementedError, match=message):
         make_trainer(tokenizer, tmp_path, model="does-not-exist/never-loaded", **overrides)
+
+
+@pytest.mark.parametrize("name", ["tools", "rollout_func", "environment_factory"])
+def test_multi_turn_arguments_are_rejected_with_what_to_use_instead(tokenizer, tmp_path, name):
+    args = AsyncA3POConfig(output_dir=str(tmp_path), **COMMON)
+    with pytest.raises(NotImplementedError, match=f"`{name}` was passed.*trl.GRPOTrainer"):
+        AsyncA3POTrainer(
+            model="does-not-exist/never-loaded",
+            reward_funcs=[length_reward],
+            args=args,
+            train_dataset=make_prompts(8),
+            **{name: [length_reward] if name == "tools" else length_reward},
+        )
 
 
 @pytest.mark.parametrize(

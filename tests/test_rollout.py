@@ -1,4 +1,4 @@
-"""Group advantages, local reward scoring and behavior log-probs (a3po_trl.rollout)."""
+"""Group advantages and reward scoring (a3po_trl.scoring), behavior log-probs and sampling (a3po_trl.rollout)."""
 
 import math
 
@@ -8,7 +8,8 @@ from tiny import length_reward, make_model
 from transformers import GenerationConfig
 from trl.trainer.utils import add_fused_lm_head
 
-from a3po_trl.rollout import RolloutSettings, group_advantages, run_rollout, score_completions
+from a3po_trl.rollout import RolloutSettings, run_rollout
+from a3po_trl.scoring import group_advantages, score_completions
 
 
 def _std(values):
@@ -79,15 +80,13 @@ def _rollout_settings(tokenizer, source: str, temperature: float, **generation_k
     )
     return RolloutSettings(
         tokenize_prompts=tokenize,
-        decode=lambda ids: tokenizer.batch_decode(ids, skip_special_tokens=True),
+        decode=lambda ids, prompt_ids, prompts: tokenizer.batch_decode(ids, skip_special_tokens=True),
         generation_config=generation_config,
         eos_token_ids=[tokenizer.eos_token_id],
         pad_token_id=tokenizer.pad_token_id,
-        num_generations=2,
         reward_funcs=[length_reward],
         reward_func_names=["length_reward"],
         reward_processing_classes=[None],
-        reward_weights=torch.ones(1),
         behavior_logps_source=source,
         temperature=temperature,
     )
@@ -133,7 +132,7 @@ def test_behavior_logps_recorded_during_generation_equal_a_forward_pass(tokenize
     assert (recorded["behavior_logps"][~mask] == 0).all()
 
 
-def test_recorder_rejects_bad_settings_and_misaligned_forwards_and_removes_its_hook(tokenizer):
+def test_recorder_falls_back_to_a_forward_when_generate_does_not_step_once_per_token(tokenizer, caplog):
     model = _patched_model(tokenizer, 1.0, lora=False)
     with pytest.raises(ValueError, match="behavior_logps_source"):
         run_rollout(_rollout_settings(tokenizer, "cache", 1.0), model, [{"prompt": "a"}, {"prompt": "b"}])
@@ -141,10 +140,49 @@ def test_recorder_rejects_bad_settings_and_misaligned_forwards_and_removes_its_h
     torch.manual_seed(0)
     run_rollout(_rollout_settings(tokenizer, "generation", 1.0), model, rows)
     assert not model._forward_hooks  # nothing is left on the generator's model after a rollout
-    # a prefill in chunks runs several forwards before the first token: the recorded columns would be misaligned
-    chunked = _rollout_settings(tokenizer, "generation", 1.0, prefill_chunk_size=4)
-    with pytest.raises(RuntimeError, match="behavior_logps_source='forward'"):
-        run_rollout(chunked, model, rows)
-    assert not model._forward_hooks
-    chunked.behavior_logps_source = "forward"
-    assert run_rollout(chunked, model, rows).tensors["behavior_logps"].shape[0] == 2
+    # a prefill in chunks runs several forwards before the first token: the recorded columns would be misaligned, so
+    # the rollout scores the tokens with a forward pass instead, and says so once
+    results = {}
+    for source in ("generation", "forward"):
+        torch.manual_seed(0)
+        chunked = _rollout_settings(tokenizer, source, 1.0, prefill_chunk_size=4)
+        with caplog.at_level("WARNING", logger="a3po_trl.rollout"):
+            results[source] = run_rollout(chunked, model, rows).tensors
+        assert not model._forward_hooks
+    assert caplog.text.count("could not be recorded during generation") == 1
+    assert torch.equal(results["generation"]["completion_ids"], results["forward"]["completion_ids"])
+    assert torch.equal(results["generation"]["behavior_logps"], results["forward"]["behavior_logps"])
+
+
+def test_async_reward_functions_run_beside_plain_ones_and_log(tokenizer):
+    rows = [{"prompt": "p", "answer": "1"}, {"prompt": "q", "answer": "2"}]
+
+    async def async_answer(prompts, completions, answer, log_metric, **kwargs):
+        log_metric("async_calls", 1.0)
+        return [float(a) * 10 for a in answer]
+
+    def plain(prompts, completions, log_extra, **kwargs):
+        log_extra("first_letter", [c[0] for c in completions])
+        return [0.5, None]
+
+    extra, metrics = {}, {}
+    scores = score_completions(
+        [async_answer, plain],
+        ["async_answer", "plain"],
+        [None, None],
+        rows,
+        ["p", "q"],
+        ["ab", "cd"],
+        [[1], [2]],
+        {"log_extra": extra.__setitem__, "log_metric": metrics.__setitem__},
+    )
+    assert scores[:, 0].tolist() == [10.0, 20.0]
+    assert scores[0, 1] == 0.5 and math.isnan(scores[1, 1])
+    assert extra == {"first_letter": ["a", "c"]} and metrics == {"async_calls": 1.0}
+
+    async def broken(prompts, completions, **kwargs):
+        raise KeyError("async boom")
+
+    with pytest.raises(KeyError) as info:
+        score_completions([broken], ["broken"], [None], rows, ["p", "q"], ["a", "b"], [[1], [2]])
+    assert "broken" in "".join(info.value.__notes__)

@@ -4,9 +4,9 @@ import threading
 
 import pytest
 import torch
-from tiny import digit_reward, length_reward, make_model, make_prompts
+from tiny import length_reward, make_model, make_prompts
 from transformers import TrainerCallback
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOConfig
 
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
 
@@ -40,52 +40,6 @@ def make_trainer(
 
 def logged(trainer, key):
     return [h[key] for h in trainer.state.log_history if key in h]
-
-
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-@pytest.mark.parametrize("beta", [0.0, 0.05])
-def test_drop_in_equivalence_with_grpo_trainer_on_policy(tokenizer, tmp_path, loss_type, beta):
-    """max_staleness=0, on-policy batch: same loss and gradients as TRL's GRPOTrainer._compute_loss."""
-    settings = dict(
-        COMMON, max_steps=3, loss_type=loss_type, beta=beta, epsilon_high=0.28, gradient_accumulation_steps=2
-    )
-    model_dir = str(tmp_path / "model")
-    make_model(tokenizer).save_pretrained(model_dir)  # a local path: the reference model loads from it too
-    args = AsyncA3POConfig(output_dir=str(tmp_path / "a"), max_staleness=0, async_generation=False, **settings)
-    ours = AsyncA3POTrainer(
-        model=model_dir,
-        reward_funcs=[length_reward, digit_reward],
-        args=args,
-        train_dataset=make_prompts(16),
-        processing_class=tokenizer,
-    )
-    grpo_args = GRPOConfig(output_dir=str(tmp_path / "b"), **settings)
-    theirs = GRPOTrainer(
-        model=model_dir,
-        reward_funcs=[length_reward, digit_reward],
-        args=grpo_args,
-        train_dataset=make_prompts(16),
-        processing_class=tokenizer,
-    )
-    for trainer in (ours, theirs):
-        trainer.model.train()
-        trainer.current_gradient_accumulation_steps = 2
-        trainer.state.max_steps = 3
-    try:
-        inputs = ours._prepare_inputs(None)
-        assert (inputs["policy_version"] == 0).all()
-        loss_ours = ours.compute_loss(ours.model, inputs)
-        loss_ours.backward()
-        trl_inputs = {k: v for k, v in inputs.items() if k not in ("behavior_logps", "policy_version")}
-        loss_theirs = theirs._compute_loss(theirs.model, trl_inputs)
-        loss_theirs.backward()
-    finally:
-        ours._stop_engine()
-    assert torch.allclose(loss_ours, loss_theirs, atol=1e-6, rtol=1e-5), (loss_ours.item(), loss_theirs.item())
-    grads_theirs = dict(theirs.model.named_parameters())
-    for name, param in ours.model.named_parameters():
-        assert param.grad is not None, name
-        assert torch.allclose(param.grad, grads_theirs[name].grad, atol=1e-6, rtol=1e-4), name
 
 
 @pytest.mark.parametrize("max_staleness", [1, 3])
@@ -220,11 +174,7 @@ def test_thread_off_runs_are_identical(tokenizer, tmp_path):
     assert losses[0] == losses[1]
 
 
-def test_unsupported_settings_are_rejected(tokenizer, tmp_path):
-    with pytest.raises(NotImplementedError, match="loss_type='sapo'"):
-        make_trainer(tokenizer, tmp_path, loss_type="sapo")
-    with pytest.raises(NotImplementedError, match="use_vllm"):
-        make_trainer(tokenizer, tmp_path, use_vllm=True)
+def test_args_must_be_an_async_a3po_config(tokenizer, tmp_path):
     with pytest.raises(TypeError, match="AsyncA3POConfig"):
         AsyncA3POTrainer(
             model=make_model(tokenizer),
@@ -261,4 +211,4 @@ def test_evaluation_runs_beside_the_generation_thread(tokenizer, tmp_path):
 def test_truncated_sampling_warns(tokenizer, tmp_path, caplog):
     with caplog.at_level("WARNING", logger="a3po_trl.trainer"):
         make_trainer(tokenizer, tmp_path, top_p=0.9, top_k=20)
-    assert "top_p=0.9, top_k=20" in caplog.text and "biases the importance ratios" in caplog.text
+    assert "top_k=20, top_p=0.9" in caplog.text and "biases the importance ratios" in caplog.text

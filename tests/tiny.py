@@ -5,7 +5,14 @@ from __future__ import annotations
 import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    PreTrainedTokenizerFast,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -47,6 +54,47 @@ def make_model(tokenizer, seed: int = 0, hidden_size: int = 32, num_layers: int 
         tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config)
+
+
+def make_reward_model(tokenizer, seed: int = 1) -> LlamaForSequenceClassification:
+    """A small random sequence-classification reward model (one label)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        num_labels=1,
+    )
+    return LlamaForSequenceClassification(config)
+
+
+def make_moe_model(tokenizer, seed: int = 0) -> Qwen3MoeForCausalLM:
+    """A small mixture-of-experts causal LM that returns its router logits (for the load-balancing loss)."""
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=512,
+        output_router_logits=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        tie_word_embeddings=False,
+    )
+    return Qwen3MoeForCausalLM(config)
 
 
 def make_prompts(n: int = 16, conversational: bool = True) -> Dataset:

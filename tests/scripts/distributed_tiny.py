@@ -1,6 +1,10 @@
 """Train a tiny model under `accelerate launch` and write one JSON report per rank (used by test_distributed.py).
 
-accelerate launch --config_file CONFIG tests/scripts/distributed_tiny.py OUT_DIR [--lora]
+accelerate launch --config_file CONFIG tests/scripts/distributed_tiny.py OUT_DIR [--lora] [--reward-model]
+
+``--reward-model`` adds a reward model beside the reward function and normalises advantages with the batch's std
+(``scale_rewards="batch"``), both of which need every process: the report then says which thread ran the reward
+model and holds this process's rewards and advantages, for the test to recompute them globally.
 """
 
 import json
@@ -10,21 +14,39 @@ import threading
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from tiny import length_reward, make_model, make_prompts, make_tokenizer  # noqa: E402
+from tiny import length_reward, make_model, make_prompts, make_reward_model, make_tokenizer  # noqa: E402
 
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer  # noqa: E402
+from a3po_trl import trainer as trainer_module  # noqa: E402
 from a3po_trl.distributed import teardown_registered  # noqa: E402
 
 
 def main():
     out_dir = sys.argv[1]
     lora = "--lora" in sys.argv
+    with_reward_model = "--reward-model" in sys.argv
     tokenizer = make_tokenizer()
     peft_config = None
     if lora:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    reward_funcs, reward_processing_classes = [length_reward], None
+    reward_model_threads, advantage_calls = [], []
+    if with_reward_model:  # built before the config, which would make transformers build it partitioned (ZeRO-3)
+        reward_model = make_reward_model(tokenizer)
+        reward_model.register_forward_pre_hook(
+            lambda *args: reward_model_threads.append(threading.current_thread().name)
+        )
+        reward_funcs, reward_processing_classes = [length_reward, reward_model], [None, tokenizer]
+        group_advantages = trainer_module.group_advantages
+
+        def recording_group_advantages(rewards_per_func, *args, **kwargs):
+            result = group_advantages(rewards_per_func, *args, **kwargs)
+            advantage_calls.append({"rewards": rewards_per_func.tolist(), "advantages": result[0].tolist()})
+            return result
+
+        trainer_module.group_advantages = recording_group_advantages
     args = AsyncA3POConfig(
         output_dir=out_dir,
         per_device_train_batch_size=4,
@@ -39,15 +61,26 @@ def main():
         bf16=False,
         save_strategy="no",
         disable_tqdm=True,
+        scale_rewards="batch" if with_reward_model else "group",
     )
     trainer = AsyncA3POTrainer(
         model=make_model(tokenizer),
-        reward_funcs=[length_reward],
+        reward_funcs=reward_funcs,
         args=args,
         train_dataset=make_prompts(32),
         processing_class=tokenizer,
+        reward_processing_classes=reward_processing_classes,
         peft_config=peft_config,
     )
+    local_advantages = []
+    take = trainer._take_scored_batch
+
+    def recording_take():
+        data = take()
+        local_advantages.append(data["advantages"].tolist())
+        return data
+
+    trainer._take_scored_batch = recording_take
     trainer.train()
     policy = trainer.last_generation_engine.policy
     policy.refresh()  # load the last published weights (version = final global_step)
@@ -69,6 +102,9 @@ def main():
         ),
         "threads_alive": sorted(t.name for t in threading.enumerate()),
         "process_group_teardown_registered": teardown_registered(),
+        "reward_model_threads": sorted(set(reward_model_threads)),
+        "advantage_calls": advantage_calls,
+        "local_advantages": local_advantages,
     }
     with open(os.path.join(out_dir, f"rank{report['rank']}.json"), "w") as f:
         json.dump(report, f)

@@ -1,0 +1,199 @@
+"""The trainer's loss: GRPOTrainer's ``_compute_loss``, step for step, with A-3PO's decoupled policy term.
+
+The pieces that are A-3PO's own are pure functions in :mod:`a3po_trl.functional`; what is GRPOTrainer's (the entropy
+bonus and its adaptive controller, the high-entropy token mask, the off-policy sequence mask, the MoE auxiliary loss,
+the reference KL) is applied as GRPOTrainer applies it, reusing its helpers and its state attributes, so that with
+on-policy samples the loss, its gradient and its metrics are GRPOTrainer's.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .functional import (
+    aggregate_loss,
+    approximate_proximal_logps,
+    decoupled_ppo_loss,
+    kl_to_reference,
+    proximal_approximation_error,
+)
+from .metrics import loss_metrics
+
+#: Loss types whose scalar GRPOTrainer divides by the accumulation steps after computing it (its ``policy_loss`` is
+#: logged before that division); the others are normalized by the generation batch's token count.
+_PER_STEP_NORMALIZED = ("grpo", "sapo", "bnpo", "dr_grpo", "luspo")
+
+
+class DecoupledLossMixin:
+    """``compute_loss`` of :class:`~a3po_trl.AsyncA3POTrainer` (mixed into a GRPOTrainer subclass)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:
+            raise ValueError("The AsyncA3POTrainer does not support returning outputs")
+        if "behavior_logps" not in inputs:  # evaluation batches come from GRPOTrainer's synchronous path
+            return self._compute_loss(model, inputs)
+        return self._compute_a3po_loss(model, inputs)
+
+    def _proximal_logps(self, inputs, current_logps, staleness):
+        """``(proximal, loglinear)`` log-probs: the A-3PO interpolation, the recomputed ones, or both (metrics)."""
+        method = self.args.prox_logp_method
+        start = time.perf_counter()
+        loglinear = None
+        if method in ("loglinear", "metrics"):
+            loglinear = approximate_proximal_logps(inputs["behavior_logps"], current_logps, staleness)
+        if method == "loglinear":
+            self._sync_if_cuda()
+            self._a3po_counters["loglinear_seconds"] += time.perf_counter() - start
+            return loglinear, loglinear
+        return inputs["recomputed_proximal_logps"], loglinear
+
+    def _compute_a3po_loss(self, model, inputs):
+        args = self.args
+        mode = "train" if self.model.training else "eval"
+        train = mode == "train"
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, mask], dim=1)
+        current_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+            model,
+            input_ids,
+            attention_mask,
+            completion_ids.size(1),
+            compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled,
+        )
+        entropy_mask = None
+        if self.top_entropy_quantile < 1.0:
+            entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+
+        advantages = inputs["advantages"]
+        advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+        behavior_logps = inputs["behavior_logps"]
+        staleness = (self.state.global_step - inputs["policy_version"]).clamp(min=0)
+        proximal_logps, loglinear_logps = self._proximal_logps(inputs, current_logps, staleness)
+
+        per_token_loss, stats = decoupled_ppo_loss(
+            current_logps,
+            proximal_logps,
+            behavior_logps,
+            advantages,
+            mask,
+            epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high,
+            behavior_weight_cap=args.behavior_weight_cap,
+            cap_mode=args.behavior_weight_cap_mode,
+            loss_type=self.loss_type,
+            importance_sampling_level=self.importance_sampling_level,
+            delta=args.delta,
+            sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg,
+            vespo_k_pos=args.vespo_k_pos,
+            vespo_lambda_pos=args.vespo_lambda_pos,
+            vespo_k_neg=args.vespo_k_neg,
+            vespo_lambda_neg=args.vespo_lambda_neg,
+        )
+        if self.off_policy_mask_threshold is not None:
+            # The off-policy sequence mask compares the current policy with the one that sampled the tokens.
+            sampling_logps = torch.where(torch.isfinite(behavior_logps), behavior_logps, current_logps.detach())
+            per_token_loss = per_token_loss * self.get_off_policy_mask(
+                advantages=advantages,
+                per_token_logps=current_logps,
+                sampling_per_token_logps=sampling_logps,
+                mask=mask,
+                off_policy_threshold=self.off_policy_mask_threshold,
+            )
+        if entropy_mask is not None:
+            per_token_loss = per_token_loss * entropy_mask
+        per_token_kl = None
+        if self.beta != 0.0:
+            per_token_kl = kl_to_reference(current_logps, inputs["ref_per_token_logps"])
+            if args.use_bias_correction_kl:
+                # The reverse-KL gradient under samples from the behavior policy is weighted by pi_theta / pi_behav,
+                # written r * rho so it carries the cap of the policy term: a token the cap drops gets no KL either.
+                kept_weight = torch.where(stats["keep"], stats["behavior_weight"], 0.0)
+                per_token_kl = per_token_kl * stats["importance_ratio"] * kept_weight
+            per_token_loss = per_token_loss + self.beta * per_token_kl
+
+        accumulation = self.current_gradient_accumulation_steps if train else 1
+        loss = aggregate_loss(
+            per_token_loss,
+            mask,
+            self.loss_type,
+            gradient_accumulation_steps=accumulation,
+            max_completion_length=self.max_completion_length,
+            num_items_in_batch=inputs["num_items_in_batch"],
+            num_processes=self.accelerator.num_processes,
+            steps_per_generation=args.steps_per_generation if train else 1,
+        )
+        policy_loss = loss.detach() * (accumulation if self.loss_type in _PER_STEP_NORMALIZED else 1)
+        if self._entropy_bonus_enabled:
+            loss = self._add_entropy_bonus(loss, entropies, mask, entropy_mask, policy_loss, mode, accumulation)
+        if self.aux_loss_enabled:
+            loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
+
+        self._log_loss_metrics(mode, mask, staleness, entropies, stats, per_token_kl)
+        if args.prox_logp_method == "metrics":
+            self._log_approximation_error(mode, inputs, loglinear_logps, proximal_logps, behavior_logps, mask)
+        return loss
+
+    def _add_entropy_bonus(self, loss, entropies, mask, entropy_mask, policy_loss, mode, accumulation):
+        """GRPOTrainer's entropy bonus ``loss - coef * H`` (``H`` the mean entropy of the tokens the loss acts on),
+        with its adaptive controller, on the same state attributes so that checkpoints save and restore it."""
+        effective_mask = mask if entropy_mask is None else mask * entropy_mask
+        entropy_loss = (entropies * effective_mask).sum() / effective_mask.sum().clamp(min=1.0) / accumulation
+        if self.use_adaptive_entropy:
+            apply_coef = self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0
+        else:
+            apply_coef = self.entropy_coef
+        loss = loss - apply_coef * entropy_loss
+        self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+        if self.use_adaptive_entropy and mode == "train":
+            stats = torch.stack([(entropies * effective_mask).sum(), effective_mask.sum()]).detach()
+            window = stats if self._entropy_window_stats is None else self._entropy_window_stats + stats
+            self._entropy_window_stats = window
+            if self.accelerator.sync_gradients:
+                totals = self.accelerator.reduce(window, reduction="sum")
+                world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
+                delta = self.args.entropy_coef_delta
+                if world_entropy <= self.args.entropy_target:
+                    self.entropy_coef = min(self.entropy_coef + delta, self.args.entropy_coef_max)
+                else:
+                    self.entropy_coef = max(self.entropy_coef - delta, self.args.entropy_coef_min)
+                self._last_world_entropy = world_entropy
+                self._entropy_window_stats = None
+        if mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+        return loss
+
+    def _log_loss_metrics(self, mode, mask, staleness, entropies, stats, per_token_kl):
+        values = loss_metrics(
+            self.accelerator,
+            mask,
+            staleness,
+            entropies,
+            stats,
+            per_token_kl,
+            max_staleness=self.args.max_staleness,
+            loss_type=self.loss_type,
+        )
+        counters = self._a3po_counters
+        values["a3po/prox_time"] = counters.pop("loglinear_seconds", 0.0) + counters.pop("recompute_seconds", 0.0)
+        for name, value in values.items():
+            self._metrics[mode][name].append(value)
+
+    def _log_approximation_error(self, mode, inputs, loglinear_logps, recomputed_logps, behavior_logps, mask):
+        """Error of the log-linear estimate against the recomputed proximal log-probs, over the rows whose recompute
+        was done with the weights this micro-step trains (a batch trained over several optimizer steps is recomputed
+        once, with the weights of its first step)."""
+        same_version = inputs["recompute_version"] == self.state.global_step
+        compared = mask.bool() & same_version.unsqueeze(1)
+        errors = proximal_approximation_error(loglinear_logps.detach(), recomputed_logps, behavior_logps, compared)
+        count = (compared & torch.isfinite(behavior_logps)).sum().float()
+        totals = self.accelerator.reduce(torch.stack([*(v * count for v in errors.values()), count]), reduction="sum")
+        if totals[-1] > 0:
+            for name, value in zip(errors, (totals[:-1] / totals[-1]).tolist()):
+                self._metrics[mode][f"a3po/approx_{name}"].append(value)

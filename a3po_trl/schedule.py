@@ -1,0 +1,143 @@
+"""Which policy version trains on each micro-step, and so which weights may generate each batch.
+
+Admission control needs to know, before a batch is generated, the versions (optimizer steps applied) at which it will
+be trained. These follow the shape of transformers' training loop, which is not uniform:
+
+- an epoch is ``steps_in_epoch`` micro-steps (the length of the train dataloader);
+- each epoch is cut into accumulation windows of ``gradient_accumulation_steps`` micro-steps, and the *last* window of
+  an epoch is shorter when ``steps_in_epoch`` is not a multiple of it; every window ends with one optimizer step;
+- a run resumed from a checkpoint at global step ``g`` starts in epoch ``g // updates_per_epoch`` at window
+  ``g % updates_per_epoch`` (at the epoch's start with ``ignore_data_skip``), and stops at ``max_steps``.
+
+Generation batches are consumed every ``E = steps_per_generation * num_iterations`` micro-steps, aligned with the
+epoch as GRPOTrainer's dataloader is (an epoch holds a whole number of batches), so a resumed run restarts inside the
+batch the uninterrupted run was in: that batch is generated again and its remaining micro-batches trained.
+
+Everything here is a pure function of these integers; the trainer reads the numbers off the loop it runs in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TrainingLoopShape:
+    """The integers that fix transformers' training loop for one ``train()`` call."""
+
+    steps_in_epoch: int
+    """Micro-steps per epoch (the length of the train dataloader on this process)."""
+    gradient_accumulation_steps: int
+    max_steps: int
+    """Optimizer steps at which training stops."""
+    start_step: int = 0
+    """``state.global_step`` when the run starts (non-zero when resuming from a checkpoint)."""
+    skip_trained_data: bool = True
+    """Whether a resumed run skips the micro-steps already trained in its epoch (``not ignore_data_skip``)."""
+
+    def __post_init__(self):
+        if self.steps_in_epoch < 1 or self.gradient_accumulation_steps < 1:
+            raise ValueError(f"Invalid training loop shape {self}.")
+
+    @property
+    def updates_per_epoch(self) -> int:
+        return max(math.ceil(self.steps_in_epoch / self.gradient_accumulation_steps), 1)
+
+    def windows(self):
+        """``(epoch, first_position, size)`` of each accumulation window of the run, one per optimizer step."""
+        per_epoch = self.updates_per_epoch
+        accumulation = self.gradient_accumulation_steps
+        last_size = self.steps_in_epoch % accumulation or accumulation
+        epoch = self.start_step // per_epoch
+        update = self.start_step % per_epoch if self.skip_trained_data else 0
+        for _ in range(max(self.max_steps - self.start_step, 0)):
+            if update == per_epoch:
+                epoch, update = epoch + 1, 0
+            size = accumulation if update != per_epoch - 1 else last_size
+            yield epoch, update * accumulation, size
+            update += 1
+
+
+@dataclass(frozen=True)
+class MicroStep:
+    """One micro-step of the run: where it is in its epoch and the version of the weights it trains."""
+
+    epoch: int
+    position: int
+    """Position in the epoch (0-based micro-step index of the epoch's dataloader)."""
+    version: int
+    """Optimizer steps applied before this micro-step (``state.global_step`` while it runs)."""
+
+
+@dataclass(frozen=True)
+class PlannedBatch:
+    """One generation batch of the run and the versions that train on it."""
+
+    epoch: int
+    index_in_epoch: int
+    first_offset: int
+    """Micro-step of the batch the run starts at: 0, except for the first batch of a run resumed mid-batch."""
+    micro_steps: int
+    """Micro-steps of the run that train on this batch."""
+    first_version: int
+    last_version: int
+
+    @property
+    def span(self) -> int:
+        """Number of distinct versions that train on the batch."""
+        return self.last_version - self.first_version + 1
+
+
+def run_micro_steps(shape: TrainingLoopShape) -> list[MicroStep]:
+    """Every micro-step of the run, in order."""
+    steps = []
+    for version, (epoch, first, size) in enumerate(shape.windows(), start=shape.start_step):
+        steps.extend(MicroStep(epoch, position, version) for position in range(first, first + size))
+    return steps
+
+
+def plan_generation_batches(micro_steps: list[MicroStep], micro_steps_per_batch: int) -> list[PlannedBatch]:
+    """Group the run's micro-steps into generation batches of ``micro_steps_per_batch``, aligned with each epoch."""
+    batches: list[PlannedBatch] = []
+    key = None
+    for step in micro_steps:
+        step_key = (step.epoch, step.position // micro_steps_per_batch)
+        if step_key != key:
+            key = step_key
+            batches.append(
+                PlannedBatch(
+                    epoch=step.epoch,
+                    index_in_epoch=step_key[1],
+                    first_offset=step.position % micro_steps_per_batch,
+                    micro_steps=1,
+                    first_version=step.version,
+                    last_version=step.version,
+                )
+            )
+        else:
+            last = batches[-1]
+            batches[-1] = PlannedBatch(
+                last.epoch,
+                last.index_in_epoch,
+                last.first_offset,
+                last.micro_steps + 1,
+                last.first_version,
+                step.version,
+            )
+    return batches
+
+
+def oldest_allowed_version(batch: PlannedBatch, max_staleness: int, start_version: int) -> int:
+    """The oldest weights that may generate ``batch`` so that no micro-step trains on it more than ``max_staleness``
+    versions later. Never newer than the weights the trainer has when it needs the batch (``first_version``)."""
+    return min(max(start_version, batch.last_version - max_staleness), batch.first_version)
+
+
+def largest_version_span(micro_steps_per_batch: int, gradient_accumulation_steps: int) -> int:
+    """Largest number of versions that train on one generation batch, over every alignment of batches and
+    accumulation windows that the loop can produce (both restart at each epoch, so a batch starts at a multiple of
+    ``micro_steps_per_batch`` counted from a window boundary). A shorter last window of an epoch only truncates a
+    window, so it never makes a batch span more versions."""
+    every, accumulation = micro_steps_per_batch, gradient_accumulation_steps
+    return max(((j + 1) * every - 1) // accumulation - (j * every) // accumulation + 1 for j in range(accumulation))

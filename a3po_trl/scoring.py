@@ -1,0 +1,215 @@
+"""Rewards and group advantages, with GRPOTrainer's semantics.
+
+- :func:`score_completions` calls the reward functions on one process's completions (no collective), so it can run
+  in the generation thread: plain and ``async def`` functions, reward models, ``None`` as "not scored".
+- :func:`group_advantages` turns the rewards of the whole generation batch (every process's rows, gathered by the
+  trainer in its main thread) into advantages exactly as GRPOTrainer does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from trl.data_utils import apply_chat_template, is_conversational
+from trl.trainer.utils import is_async_callable, nanstd
+
+logger = logging.getLogger(__name__)
+
+
+def group_advantages(
+    rewards_per_func: torch.Tensor,
+    reward_weights: torch.Tensor,
+    num_generations: int,
+    scale_rewards: str = "group",
+    aggregation: str = "sum_then_normalize",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group-relative advantages over whole groups of ``num_generations`` consecutive rows, as GRPOTrainer computes
+    them from the rewards of the whole generation batch.
+
+    Args:
+        rewards_per_func: ``(B, F)`` rewards, NaN where a reward function returned None.
+        reward_weights: ``(F,)`` weights of the reward functions.
+        num_generations: group size; ``B`` must be a multiple of it.
+        scale_rewards: ``"group"`` (divide by the group's std), ``"batch"`` (by the batch's std) or ``"none"``.
+        aggregation: ``"sum_then_normalize"`` or ``"normalize_then_sum"`` (TRL's ``multi_objective_aggregation``).
+
+    Returns:
+        ``(advantages, rewards, is_std_zero)``, each ``(B,)``; a row every function left unscored gets advantage 0.
+    """
+    if rewards_per_func.size(0) % num_generations:
+        raise ValueError(f"{rewards_per_func.size(0)} rows do not form whole groups of {num_generations}.")
+    weights = reward_weights.to(rewards_per_func.device, rewards_per_func.dtype).unsqueeze(0)
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    if aggregation == "sum_then_normalize":
+        rewards = (rewards_per_func * weights).nansum(dim=1)
+        rewards[unscorable] = torch.nan
+        grouped = rewards.view(-1, num_generations)
+        mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
+        if scale_rewards in ("group", "none"):
+            if num_generations > 1:
+                std = nanstd(grouped, dim=1).repeat_interleave(num_generations)
+            else:
+                std = torch.zeros_like(rewards)
+        elif scale_rewards == "batch":
+            std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        else:
+            raise ValueError(f"scale_rewards={scale_rewards!r} must be 'group', 'batch' or 'none'.")
+        advantages = rewards - mean
+        if scale_rewards != "none":
+            advantages = advantages / (std + 1e-4)
+    elif aggregation == "normalize_then_sum":
+        grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.size(1))
+        mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+        std_k = nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean_k)
+        normalized = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, rewards_per_func.size(1))
+        rewards = (normalized * weights).nansum(dim=1)
+        rewards[unscorable] = torch.nan
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        advantages = (rewards - torch.nanmean(rewards)) / (std + 1e-4)
+    else:
+        raise ValueError(
+            f"multi_objective_aggregation={aggregation!r} must be 'sum_then_normalize' or 'normalize_then_sum'."
+        )
+    is_std_zero = torch.isclose(std, torch.zeros_like(std))
+    return torch.nan_to_num(advantages, nan=0.0), rewards, is_std_zero
+
+
+def score_completions(
+    reward_funcs: list,
+    reward_func_names: list[str],
+    reward_processing_classes: list,
+    rows: list[dict],
+    prompts: list,
+    completions: list,
+    completion_ids: list[list[int]],
+    extra_kwargs: dict[str, Any] | None = None,
+    *,
+    skip: frozenset[int] | set[int] = frozenset(),
+    async_loop: asyncio.AbstractEventLoop | None = None,
+    chat_template_kwargs: dict | None = None,
+) -> torch.Tensor:
+    """``(B, F)`` float32 rewards from each reward function, locally (no gather). None becomes NaN.
+
+    Reward functions follow TRL's signature ``f(prompts, completions, completion_ids, **columns, **extra_kwargs)``;
+    ``async def`` functions run concurrently on ``async_loop`` (TRL's daemon loop; a private one when ``None``);
+    reward models (``nn.Module``) score the prompt + completion text. Columns listed in ``skip`` are left NaN (scored
+    elsewhere). A function that raises has its name added to the error.
+    """
+    rewards = torch.full((len(prompts), len(reward_funcs)), torch.nan, dtype=torch.float32)
+    columns = {
+        key: [row[key] for row in rows] for key in rows[0] if key not in ("prompt", "completion", "completion_ids")
+    }
+    columns.update(extra_kwargs or {})
+    pending_async = []
+    for i, (func, name, processing_class) in enumerate(
+        zip(reward_funcs, reward_func_names, reward_processing_classes, strict=True)
+    ):
+        if i in skip:
+            continue
+        if is_async_callable(func):
+            pending_async.append((i, func, name))
+            continue
+        with _named_errors(name):
+            if isinstance(func, nn.Module):
+                values = score_with_reward_model(func, processing_class, prompts, completions, chat_template_kwargs)
+            else:
+                values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        rewards[:, i] = torch.tensor(_as_reward_list(values, name, len(prompts)), dtype=torch.float32)
+    if pending_async:
+
+        async def call(func, name):
+            with _named_errors(name):
+                return await func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+
+        async def call_all():
+            return await asyncio.gather(*(call(func, name) for _, func, name in pending_async))
+
+        if async_loop is not None:
+            results = asyncio.run_coroutine_threadsafe(call_all(), async_loop).result()
+        else:
+            results = asyncio.run(call_all())
+        for (i, _, name), values in zip(pending_async, results):
+            rewards[:, i] = torch.tensor(_as_reward_list(values, name, len(prompts)), dtype=torch.float32)
+    return rewards
+
+
+class _named_errors:
+    """Adds the reward function's name to any exception it raises."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, error, traceback):
+        if error is not None and isinstance(error, Exception) and hasattr(error, "add_note"):
+            if not any(self.name in note for note in getattr(error, "__notes__", [])):
+                error.add_note(f"(raised by the reward function {self.name!r})")
+        return False
+
+
+def warn_about_unscorable_rows(rewards_per_func: torch.Tensor, rows: list[dict], prompts: list, completions: list):
+    """GRPOTrainer's warning when every reward function returned None for a completion (its advantage becomes 0)."""
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    if not unscorable.any():
+        return
+    index = int(unscorable.nonzero()[0, 0])
+    kwargs = {key: value for key, value in rows[index].items() if key != "prompt"}
+    kwargs["prompt"], kwargs["completion"] = prompts[index], completions[index]
+    logger.warning(
+        f"All reward functions returned None for the following kwargs:\n{kwargs}\n"
+        "Please ensure that at least one reward function returns a valid reward."
+    )
+
+
+def _as_reward_list(values, name: str, expected: int) -> list[float]:
+    if isinstance(values, torch.Tensor):
+        values = values.detach().float().cpu().flatten().tolist()
+    try:
+        values = list(values)
+    except TypeError:
+        raise TypeError(
+            f"The reward function {name!r} returned {type(values).__name__}; it must return a list of floats "
+            f"(one per completion, None to skip)."
+        ) from None
+    if len(values) != expected:
+        raise ValueError(
+            f"The reward function {name!r} returned {len(values)} rewards, but {expected} were expected (one per "
+            "prompt-completion pair). Make sure it returns exactly one reward per completion."
+        )
+    out = []
+    for value in values:
+        if value is None:
+            out.append(float("nan"))
+            continue
+        try:
+            out.append(float(value))
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"The reward function {name!r} returned a non-numeric reward {value!r}; return floats (or None to "
+                "skip a completion)."
+            ) from None
+    return out
+
+
+def score_with_reward_model(model, processing_class, prompts, completions, chat_template_kwargs=None) -> list[float]:
+    """A sequence-classification reward model's score of each prompt + completion (its first logit), as TRL does."""
+    if is_conversational({"prompt": prompts[0]}):
+        texts = [
+            apply_chat_template({"messages": p + c}, processing_class, **(chat_template_kwargs or {}))["text"]
+            for p, c in zip(prompts, completions)
+        ]
+    else:
+        texts = [p + c for p, c in zip(prompts, completions)]
+    inputs = processing_class(
+        text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
+    )
+    device = next(model.parameters()).device
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    with torch.inference_mode():
+        return model(**inputs).logits[:, 0].float().cpu().tolist()

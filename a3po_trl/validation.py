@@ -1,0 +1,47 @@
+"""Checks that run before any model is loaded: settings and datasets the trainer cannot honour fail with the fix."""
+
+from __future__ import annotations
+
+from datasets import IterableDataset
+from trl import GRPOConfig
+
+_UNSUPPORTED_ARGS = {
+    "use_vllm": (
+        True,
+        "generation runs with Hugging Face generate in the trainer's own generation thread (a vLLM backend is "
+        "planned); set use_vllm=False, or use trl.GRPOTrainer to generate with vLLM",
+    ),
+    "use_transformers_continuous_batching": (
+        True,
+        "the generation thread calls generate on its own copy of the weights; set "
+        "use_transformers_continuous_batching=False",
+    ),
+}
+
+_MULTI_TURN = (
+    "multi-turn rollouts (tools, environments, custom rollout functions) are not supported by AsyncA3POTrainer yet "
+    "(planned: run in the generation thread with per-token versions); train agents with trl.GRPOTrainer for now"
+)
+
+
+def check_supported(args: GRPOConfig, kwargs: dict) -> None:
+    """Reject, before any model is loaded, the GRPOTrainer options this trainer cannot honour."""
+    for name, (bad_value, fix) in _UNSUPPORTED_ARGS.items():
+        if getattr(args, name, None) == bad_value:
+            raise NotImplementedError(f"{name}={bad_value!r} is not supported by AsyncA3POTrainer: {fix}.")
+    for name in ("tools", "rollout_func", "environment_factory"):
+        if kwargs.get(name):
+            raise NotImplementedError(f"`{name}` was passed, but {_MULTI_TURN}.")
+
+
+def check_train_dataset(dataset) -> None:
+    if dataset is None or isinstance(dataset, IterableDataset):
+        return
+    if len(dataset) == 0:
+        raise ValueError("train_dataset is empty; it needs at least one generation batch worth of prompts.")
+    columns = getattr(dataset, "column_names", None)
+    if columns is not None and "prompt" not in columns:
+        raise ValueError(
+            f"train_dataset has no 'prompt' column (columns: {columns}). Rename the column holding the prompts, "
+            "e.g. dataset.rename_column('question', 'prompt')."
+        )

@@ -1,0 +1,196 @@
+"""The generator samples and scores with the numerics, positions and random stream the method assumes.
+
+Each test here pins a way the generation thread used to differ silently from the training forward or from GRPOTrainer:
+the random stream it drew from, the LM head it scored with, the positions of left-padded rows, sampling settings
+that change the sampled distribution, dropout, and the state reward functions see.
+"""
+
+import logging
+import threading
+
+import pytest
+import torch
+from datasets import Dataset
+from test_trainer import logged, make_trainer
+from tiny import length_reward, make_model, make_prompts
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from a3po_trl import sampling
+
+
+def _generation_thread() -> bool:
+    return threading.current_thread().name.startswith("a3po-generation")
+
+
+def test_generator_draws_from_its_own_stream_never_the_global_rng(tokenizer, tmp_path, monkeypatch):
+    """Gradient checkpointing forks and restores the global RNG in the training thread; a generator drawing from it
+    replays random numbers. The generator must draw from its own stream, and that stream must never repeat."""
+    global_draws, states = [], []
+    multinomial = torch.multinomial
+
+    def watched_multinomial(*args, **kwargs):
+        if _generation_thread():
+            global_draws.append(1)
+        return multinomial(*args, **kwargs)
+
+    noise = sampling._GumbelMaxNoise.__call__
+
+    def recorded_noise(self, input_ids, scores):
+        states.append(bytes(self.generator.get_state().numpy()))
+        return noise(self, input_ids, scores)
+
+    monkeypatch.setattr(torch, "multinomial", watched_multinomial)
+    monkeypatch.setattr(sampling._GumbelMaxNoise, "__call__", recorded_noise)
+    trainer = make_trainer(tokenizer, tmp_path, gradient_checkpointing=True, max_staleness=2, max_steps=6)
+    trainer.train()
+    assert global_draws == []
+    assert len(states) >= 6 * 8 and len(set(states)) == len(states)
+
+
+def test_runs_with_the_same_seed_sample_the_same_and_other_seeds_do_not(tokenizer, tmp_path):
+    completions = {}
+    for run, seed in (("a", 0), ("b", 0), ("c", 1)):
+        seen = []
+
+        def recording_reward(completions, seen=seen, **kwargs):
+            seen.extend(c[0]["content"] for c in completions)
+            return length_reward(completions)
+
+        trainer = make_trainer(
+            tokenizer, tmp_path / run, reward_funcs=(recording_reward,), async_generation=False, max_steps=2, seed=seed
+        )
+        torch.manual_seed(1234 if run == "a" else 99)  # the global RNG plays no part in sampling
+        trainer.train()
+        completions[run] = seen
+    assert completions["a"] == completions["b"]
+    assert completions["a"] != completions["c"]
+
+
+def test_generator_keeps_the_fp32_lm_head(tokenizer, tmp_path):
+    """cast_lm_head_to_fp32 on a bf16 model: the generator's copy must run the head in float32 too (it used to crash
+    without autocast, and score with a bf16 head under autocast)."""
+    for bf16 in (False, True):
+        model = make_model(tokenizer).to(torch.bfloat16)
+        trainer = make_trainer(
+            tokenizer, tmp_path / str(bf16), model=model, bf16=bf16, cast_lm_head_to_fp32=True, max_steps=2
+        )
+        trainer.train()
+        head = trainer.last_generation_engine.policy.module.lm_head
+        assert head.weight.dtype == torch.float32
+        dtypes = []
+        hook = head.register_forward_hook(lambda module, args, output, dtypes=dtypes: dtypes.append(output.dtype))
+        trainer.last_generation_engine.policy.module.generate(
+            input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False
+        )
+        hook.remove()
+        assert dtypes and set(dtypes) == {torch.float32}
+
+
+def _gpt2(tokenizer):
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        n_positions=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def test_left_padded_rows_are_scored_at_the_positions_they_were_generated_at(tokenizer, tmp_path):
+    """An absolute-position model (GPT-2): generate places left-padded rows by the attention mask; the training forward
+    must too, or the behavior and training log-probs of the same tokens differ (0.29 nats seen)."""
+    dataset = Dataset.from_dict({"prompt": ["1+1=", "What is twelve plus thirty, written in digits?"]})
+    trainer = make_trainer(
+        tokenizer,
+        tmp_path,
+        model=_gpt2(tokenizer),
+        dataset=dataset,
+        per_device_train_batch_size=8,
+        bf16=False,
+        max_staleness=0,
+        max_steps=2,
+    )
+    trainer.model.train()
+    trainer.state.max_steps = 2
+    try:
+        inputs = trainer._prepare_inputs(None)
+    finally:
+        trainer._stop_engine()
+    prompt_mask = inputs["prompt_mask"]
+    assert (prompt_mask.sum(1) < prompt_mask.size(1)).any(), "want left-padded prompts"
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([prompt_mask, inputs["completion_mask"]], dim=1)
+    with torch.no_grad():
+        logps = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, inputs["completion_ids"].size(1))
+    completion = inputs["completion_mask"].bool()
+    assert (logps[0] - inputs["behavior_logps"])[completion].abs().max() < 1e-4
+
+
+def test_sampling_settings_that_change_the_distribution_are_reported(tokenizer, tmp_path, caplog):
+    with pytest.raises(ValueError, match=r"generation_kwargs sets temperature=0.5.*temperature=0.5 in the config"):
+        make_trainer(tokenizer, tmp_path, generation_kwargs={"temperature": 0.5})
+    with caplog.at_level(logging.WARNING, logger="a3po_trl.trainer"):
+        make_trainer(tokenizer, tmp_path, generation_kwargs={"top_k": 3, "typical_p": 0.9})
+    assert "top_k=3" in caplog.text and "typical_p=0.9" in caplog.text
+    assert "biases the importance ratios" in caplog.text
+    caplog.clear()
+    model = make_model(tokenizer)
+    model.generation_config.no_repeat_ngram_size = 2  # from the model's own generation config, not TRL's
+    with caplog.at_level(logging.WARNING, logger="a3po_trl.trainer"):
+        make_trainer(tokenizer, tmp_path, model=model)
+    assert "no_repeat_ngram_size=2" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="a3po_trl.trainer"):
+        make_trainer(tokenizer, tmp_path)
+    assert "biases the importance ratios" not in caplog.text
+
+
+def test_beam_search_trains_with_behavior_log_probs_from_a_forward(tokenizer, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        trainer = make_trainer(
+            tokenizer, tmp_path, generation_kwargs={"num_beams": 2, "length_penalty": -0.1}, max_steps=2
+        )
+        trainer.train()
+    assert "num_beams=2" in caplog.text
+    assert trainer.last_generation_engine.produced == 2
+
+
+def test_dropout_left_on_is_reported(tokenizer, tmp_path, caplog):
+    model = _gpt2(tokenizer)  # GPT-2 has dropout layers (p=0.1)
+    with caplog.at_level(logging.WARNING, logger="a3po_trl.trainer"):
+        make_trainer(tokenizer, tmp_path, model=model, disable_dropout=False)
+    assert "disable_dropout=False" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="a3po_trl.trainer"):
+        make_trainer(tokenizer, tmp_path, model=_gpt2(tokenizer))
+    assert "disable_dropout" not in caplog.text
+
+
+def test_reward_functions_get_the_state_of_the_batchs_version_and_their_own_tokenizers(tokenizer, tmp_path):
+    steps_seen, states, threads = [], [], []
+
+    def state_reward(completions, trainer_state, **kwargs):
+        steps_seen.append(trainer_state.global_step)
+        states.append(trainer_state)
+        threads.append(threading.current_thread().name)
+        return length_reward(completions)
+
+    trainer = make_trainer(tokenizer, tmp_path, reward_funcs=(state_reward,), max_staleness=2, max_steps=6)
+    trainer.train()
+    assert all(name.startswith("a3po-generation") for name in threads)
+    assert steps_seen == [int(v) for v in logged(trainer, "async/generator_version")]
+    assert all(state is not trainer.state for state in states)  # a snapshot, never the training thread's live state
+
+
+def test_reward_processing_classes_are_copied_for_the_generation_thread(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, dataset=make_prompts(8))
+    trainer.reward_processing_classes = [tokenizer]
+    trainer._policy = trainer._build_policy()
+    settings = trainer._rollout_settings()
+    assert settings.reward_processing_classes[0] is not tokenizer
+    assert settings.reward_processing_classes[0].get_vocab() == tokenizer.get_vocab()
