@@ -197,7 +197,7 @@ class AsyncA3POConfig(GRPOConfig):
             )
         span = self.versions_spanned_per_generation_batch
         if self.max_staleness is None:
-            self.max_staleness = span  # the schedule needs span - 1; one more lets generation overlap training
+            self.max_staleness = self.derived_max_staleness(span)
         elif isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             raise ValueError(
                 f"max_staleness={self.max_staleness!r} must be an integer >= 0 (0 = synchronous training, "
@@ -212,6 +212,11 @@ class AsyncA3POConfig(GRPOConfig):
                 f"over {span} optimizer steps, so its samples reach staleness {span - 1}. Set max_staleness >= "
                 f"{span - 1} (or leave it unset to get {span}), or lower {schedule_setting} / num_iterations."
             )
+
+    def derived_max_staleness(self, span: int) -> int:
+        """``max_staleness`` when it is left unset, for batches trained over ``span`` optimizer steps: the ``span - 1``
+        the schedule needs, plus one step so that generation overlaps training."""
+        return span
 
     @property
     def versions_spanned_per_generation_batch(self) -> int:

@@ -157,3 +157,22 @@ def test_planned_batches_never_span_more_than_the_configured_span(shape):
         oldest = oldest_allowed_version(batch, max_staleness=span - 1, start_version=start)
         assert batch.last_version - oldest <= span - 1  # the bound holds
         assert oldest <= batch.first_version  # and the trainer can publish these weights before it needs the batch
+
+
+def test_unset_max_staleness_admits_the_schedule_plus_one_step_and_a_too_small_one_names_the_setting(tmp_path):
+    from test_trainer import COMMON
+
+    from a3po_trl import AsyncA3POConfig
+
+    def config(**overrides):
+        return AsyncA3POConfig(output_dir=str(tmp_path), **{**COMMON, **overrides})
+
+    assert config().max_staleness == 1  # GRPOConfig's defaults: one batch per optimizer step, one step of overlap
+    assert config(steps_per_generation=4).max_staleness == 4
+    assert config(generation_batch_size=16).max_staleness == 4  # per_device_train_batch_size=4: 4 steps a batch
+    assert config(steps_per_generation=4, gradient_accumulation_steps=4).max_staleness == 1
+    assert config(steps_per_generation=4, max_staleness=3).max_staleness == 3
+    with pytest.raises(ValueError, match=r"max_staleness=1 is too small: with generation_batch_size=16.*unset"):
+        config(generation_batch_size=16, max_staleness=1)
+    with pytest.raises(ValueError, match=r"with steps_per_generation=4"):
+        config(steps_per_generation=4, max_staleness=2)
