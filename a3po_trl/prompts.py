@@ -43,13 +43,15 @@ def repeated_prompt_batches(
     local_batch_size)``, so no group is split across processes. The first ``skip_batches`` global batches are skipped
     (a resumed run).
     """
-    if isinstance(dataset, IterableDataset):
+    streamed = isinstance(dataset, IterableDataset)
+    if streamed:
         batches = _streamed_global_batches(dataset, num_generations, local_batch_size, num_processes, shuffle, seed)
     else:
         batches = _sampled_global_batches(dataset, num_generations, local_batch_size, num_processes, shuffle, seed)
-    for produced, rows in enumerate(batches):
+    for produced, batch in enumerate(batches):
         if produced >= skip_batches:
-            yield rows[process_index * local_batch_size : (process_index + 1) * local_batch_size]
+            local = batch[process_index * local_batch_size : (process_index + 1) * local_batch_size]
+            yield local if streamed else [dataset[i] for i in local]  # a map-style batch holds indices
 
 
 def _sampled_global_batches(dataset, num_generations, local_batch_size, num_processes, shuffle, seed):
@@ -73,7 +75,7 @@ def _sampled_global_batches(dataset, num_generations, local_batch_size, num_proc
                 "steps_per_generation."
             )
         for start in range(0, len(indices) - global_size + 1, global_size):
-            yield [dataset[i] for i in indices[start : start + global_size]]
+            yield indices[start : start + global_size]
 
 
 def _streamed_global_batches(dataset, num_generations, local_batch_size, num_processes, shuffle, seed):
