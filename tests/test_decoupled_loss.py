@@ -1,7 +1,7 @@
 """What the trainer's loss adds to GRPOTrainer's: the cap on the KL correction, like-with-like approximation error."""
 
 import torch
-from test_trainer import logged, make_trainer
+from test_trainer import first_batch_with_logps, logged, make_trainer
 from tiny import make_model
 
 from a3po_trl.functional import aggregate_loss, kl_to_reference
@@ -11,15 +11,7 @@ def _batch(trainer):
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
     trainer.state.max_steps = 2
-    try:
-        inputs = trainer._prepare_inputs(None)
-    finally:
-        trainer._stop_engine()
-    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-    with torch.no_grad():
-        logps = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, inputs["completion_ids"].size(1))
-    return inputs, logps[0]
+    return first_batch_with_logps(trainer)
 
 
 def test_bias_corrected_kl_drops_the_tokens_the_cap_drops(tokenizer, tmp_path):

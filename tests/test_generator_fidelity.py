@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 from datasets import Dataset
-from test_trainer import logged, make_trainer
+from test_trainer import first_batch_with_logps, logged, make_trainer
 from tiny import length_reward, make_model, make_prompts
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -117,18 +117,11 @@ def test_left_padded_rows_are_scored_at_the_positions_they_were_generated_at(tok
     )
     trainer.model.train()
     trainer.state.max_steps = 2
-    try:
-        inputs = trainer._prepare_inputs(None)
-    finally:
-        trainer._stop_engine()
+    inputs, logps = first_batch_with_logps(trainer)
     prompt_mask = inputs["prompt_mask"]
     assert (prompt_mask.sum(1) < prompt_mask.size(1)).any(), "want left-padded prompts"
-    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-    mask = torch.cat([prompt_mask, inputs["completion_mask"]], dim=1)
-    with torch.no_grad():
-        logps = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, inputs["completion_ids"].size(1))
     completion = inputs["completion_mask"].bool()
-    assert (logps[0] - inputs["behavior_logps"])[completion].abs().max() < 1e-4
+    assert (logps - inputs["behavior_logps"])[completion].abs().max() < 1e-4
 
 
 def test_sampling_settings_that_change_the_distribution_are_reported(tokenizer, tmp_path, caplog):

@@ -7,6 +7,7 @@ correction (the one it applies to vLLM samples) replaced by the capped behavior 
 
 import pytest
 import torch
+from test_trainer import first_batch_with_logps
 from tiny import digit_reward, length_reward, make_model, make_moe_model, make_prompts
 from trl import GRPOConfig, GRPOTrainer
 
@@ -75,20 +76,6 @@ def _pair(tokenizer, tmp_path, options):
     return ours, theirs
 
 
-def _scored_inputs(ours):
-    try:
-        inputs = ours._prepare_inputs(None)
-    finally:
-        ours._stop_engine()
-    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-    with torch.no_grad():
-        logps = ours._get_per_token_logps_and_entropies(
-            ours.model, input_ids, attention_mask, inputs["completion_ids"].size(1)
-        )[0]
-    return inputs, logps
-
-
 def _compare(ours, theirs, inputs, trl_inputs):
     loss_ours = ours.compute_loss(ours.model, inputs)
     loss_ours.backward()
@@ -114,7 +101,7 @@ def test_on_policy_loss_gradients_and_metrics_are_grpo_trainers(tokenizer, tmp_p
     ours, theirs = _pair(tokenizer, tmp_path, CASES[case])
     if CASES[case].get("use_adaptive_entropy"):  # an entropy below target at the last step: the bonus applies now
         ours._last_world_entropy = theirs._last_world_entropy = 1.0
-    inputs, logps = _scored_inputs(ours)
+    inputs, logps = first_batch_with_logps(ours)
     assert (inputs["policy_version"] == 0).all()
     # On-policy: the behavior log-probs are the training forward's own (GRPOTrainer's "old" = current, detached).
     inputs["behavior_logps"] = logps
@@ -150,7 +137,7 @@ def test_off_policy_loss_is_grpo_trainers_with_proximal_old_policy_and_rho_corre
     ours, theirs = _pair(tokenizer, tmp_path, trl_options)
     ours.args.prox_logp_method, ours.args.behavior_weight_cap = "recompute", 1.2
     ours.args.behavior_weight_cap_mode = cap_mode
-    inputs, logps = _scored_inputs(ours)
+    inputs, logps = first_batch_with_logps(ours)
     generator = torch.Generator().manual_seed(0)
     mask = inputs["completion_mask"]
     proximal = logps + 0.3 * torch.randn(logps.shape, generator=generator)

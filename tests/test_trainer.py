@@ -42,6 +42,22 @@ def logged(trainer, key):
     return [h[key] for h in trainer.state.log_history if key in h]
 
 
+def first_batch_with_logps(trainer):
+    """The first micro-batch the trainer would train on (taken outside ``train()``), and the training forward's
+    log-probs of its completions."""
+    try:
+        inputs = trainer._prepare_inputs(None)
+    finally:
+        trainer._stop_engine()
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    with torch.no_grad():
+        logps = trainer._get_per_token_logps_and_entropies(
+            trainer.model, input_ids, attention_mask, inputs["completion_ids"].size(1)
+        )[0]
+    return inputs, logps
+
+
 @pytest.mark.parametrize("max_staleness", [1, 3])
 def test_staleness_bounded_reached_and_nothing_dropped(tokenizer, tmp_path, max_staleness):
     trainer = make_trainer(tokenizer, tmp_path, max_staleness=max_staleness, max_steps=8)
