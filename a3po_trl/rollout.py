@@ -21,7 +21,7 @@ from trl.data_utils import is_conversational
 from trl.trainer.utils import pad
 
 from .generation import GenerationStopped, ScoredBatch
-from .sampling import GenerationLogpsRecorder, OwnStreamSampling, records_logps, samples_with_own_stream
+from .sampling import GenerationLogpsRecorder, OwnStreamSampling
 from .scoring import score_completions
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,9 @@ class RolloutSettings:
     temperature: float = 1.0
     """Temperature of the training log-probs (TRL's ``temperature``), used by ``"generation"``."""
     sampling_generator: torch.Generator | None = None
-    """The generator's own random stream; ``None`` samples with ``generate``'s default (the global RNG)."""
+    """The generator's own random stream, for a plain-sampling ``generation_config`` only (see
+    :func:`~a3po_trl.sampling.samples_with_own_stream`); ``None`` leaves token selection to ``generate`` (the global
+    RNG)."""
     sampling_seeds: Callable[[int], int] | None = None
     """``sampling_seeds(index)``: the seed ``sampling_generator`` restarts from for batch ``index`` of the run, so a
     batch's samples depend on the seed and the batch, not on what was generated before (a resumed run samples the
@@ -107,8 +109,7 @@ def run_rollout(
     if settings.sampling_generator is not None and settings.sampling_seeds is not None:
         settings.sampling_generator.manual_seed(settings.sampling_seeds(index))
 
-    wants_record = settings.behavior_logps_source == "generation"
-    record = wants_record and records_logps(settings.generation_config)
+    record = settings.behavior_logps_source == "generation"
     start = time.perf_counter()
     with torch.no_grad(), _autocast(device, settings.autocast_dtype):
         completion_ids_list, recorded_logps = _generate(settings, module, prompt_ids_list, device, should_stop, record)
@@ -128,7 +129,7 @@ def run_rollout(
         behavior_logps = pad(recorded_logps, padding_value=0.0, padding_side="right")
         behavior_logps = torch.nn.functional.pad(behavior_logps, (0, completion_ids.size(1) - behavior_logps.size(1)))
     else:
-        if wants_record and not settings._fallback_warned:
+        if record and not settings._fallback_warned:
             settings._fallback_warned = True
             logger.warning(
                 "The behavior log-probs could not be recorded during generation (this generation setup runs "
@@ -200,7 +201,7 @@ def _generate(
     if should_stop is not None:
         stopping = StoppingCriteriaList([_CallableStop(should_stop)])
     extra = {}
-    if settings.sampling_generator is not None and samples_with_own_stream(settings.generation_config):
+    if settings.sampling_generator is not None:
         extra["custom_generate"] = OwnStreamSampling(settings.sampling_generator)
     completions: list[list[int]] = []
     logps: list[torch.Tensor] | None = [] if record_logps else None
