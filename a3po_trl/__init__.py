@@ -14,7 +14,7 @@ from .functional import (
     proximal_approximation_error,
     staleness_weight,
 )
-from .generation import GenerationEngine, GeneratorPolicy, ScoredBatch, VersionedSampleQueue
+from .generation import GenerationBackend, GenerationEngine, HFGenerateBackend, ScoredBatch, VersionedSampleQueue
 from .plotting import plot_training
 from .trainer import AsyncA3POTrainer
 
@@ -25,7 +25,8 @@ __all__ = [
     "AsyncA3POTrainer",
     "CAP_MODES",
     "GenerationEngine",
-    "GeneratorPolicy",
+    "GenerationBackend",
+    "HFGenerateBackend",
     "LOSS_TYPES",
     "PROXIMAL_METHODS",
     "ScoredBatch",

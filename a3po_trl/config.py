@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from .functional import CAP_MODES, PROXIMAL_METHODS
-from .rollout import BEHAVIOR_LOGPS_SOURCES
+from .generation.hf_generate import BEHAVIOR_LOGPS_SOURCES
 from .schedule import largest_version_span
 
 

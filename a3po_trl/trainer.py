@@ -31,12 +31,13 @@ from trl.trainer.utils import add_fused_lm_head, shuffle_sequence_dict, split_te
 
 from .config import AsyncA3POConfig
 from .distributed import destroy_process_group_at_exit
-from .generation import GenerationEngine, GeneratorPolicy
+from .generation import GenerationBackend, GenerationEngine, HFGenerateBackend, HFGenerationSettings
+from .generation.hf_generate import generation_target
 from .losses import DecoupledLossMixin
 from .metrics import batch_metrics
 from .model_patches import align_position_ids_with_generation, cast_lm_head_to_fp32
 from .prompts import repeated_prompt_batches
-from .rollout import RolloutSettings, decode_completions, generation_target, run_rollout
+from .rollout import RolloutSettings, decode_completions, run_rollout
 from .sampling import records_logps, samples_with_own_stream, sampling_deviations
 from .schedule import TrainingLoopShape, oldest_allowed_version, plan_generation_batches, run_micro_steps
 from .scoring import group_advantages, score_with_reward_model, warn_about_unscorable_rows
@@ -96,7 +97,14 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             )
         check_supported(args, kwargs)
         check_train_dataset(train_dataset)
-        super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, **kwargs)
+        # vLLM is this trainer's own generation backend (generation/vllm_*.py), driven by the generation thread:
+        # GRPOTrainer must not build its synchronous one, so it is constructed as if use_vllm were off.
+        self._use_vllm_backend = bool(args.use_vllm)
+        args.use_vllm = False
+        try:
+            super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, **kwargs)
+        finally:
+            args.use_vllm = self._use_vllm_backend
         self._check_supported_after_init()
         self._generation_config_checked = self._checked_generation_config()
         self._warn_about_dropout()
@@ -109,7 +117,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         self._engine: GenerationEngine | None = None
         self.last_generation_engine: GenerationEngine | None = None
         """The engine of the latest `train()` call, kept after it stops for inspection (counters, queue, policy)."""
-        self._policy: GeneratorPolicy | None = None
+        self._backend: GenerationBackend | None = None
         self._run_start_step = 0
         self._steps_in_epoch: int | None = None
         self._micro_steps = []
@@ -186,12 +194,20 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
     def _unwrapped_model(self):
         return self.accelerator.unwrap_model(self.model)
 
-    def _build_policy(self) -> GeneratorPolicy:
+    def _build_backend(self) -> GenerationBackend:
+        """The generation backend: Hugging Face ``generate`` on the generator's own copy, or vLLM (``use_vllm``)."""
+        if self._use_vllm_backend:
+            from .generation.vllm_setup import build_vllm_backend
+
+            return build_vllm_backend(self)
+        return self._build_hf_backend()
+
+    def _build_hf_backend(self) -> HFGenerateBackend:
         temperature = self.temperature
         cast_fp32 = self.args.cast_lm_head_to_fp32
 
         def patch(module):
-            # Re-apply to the copy what the trainer applied to the training model (GeneratorPolicy strips the
+            # Re-apply to the copy what the trainer applied to the training model (HFGenerateBackend strips the
             # instance patches, which close over the training module).
             target = generation_target(module)
             if cast_fp32:
@@ -200,14 +216,44 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             align_position_ids_with_generation(module)
 
         device = self.args.generation_device or self.accelerator.device
-        gather = None
-        if self._zero3:
-            import deepspeed
+        gather = self._zero3_gather()
+        return HFGenerateBackend(
+            self._unwrapped_model(), self._hf_generation_settings(), device=device, patch_fn=patch, gather=gather
+        )
 
-            def gather(params):
-                return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    def _zero3_gather(self):
+        """``GatheredParameters`` under ZeRO-3 (every process together, main thread), else None."""
+        if not self._zero3:
+            return None
+        import deepspeed
 
-        return GeneratorPolicy(self._unwrapped_model(), device=device, patch_fn=patch, gather=gather)
+        def gather(params):
+            return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+        return gather
+
+    def _hf_generation_settings(self) -> HFGenerationSettings:
+        effective = self._generation_config_checked
+        own_stream = samples_with_own_stream(effective)
+        if not own_stream:
+            logger.warning(
+                "This generation config is not plain sampling (%s): the generator leaves token selection to "
+                "generate, which draws from the global RNG that the training thread also uses.",
+                ", ".join(sampling_deviations(effective)),
+            )
+        behavior_logps_source = self.args.behavior_logps_source
+        if behavior_logps_source == "generation" and not records_logps(effective):
+            behavior_logps_source = "forward"  # beams or assisted decoding: no one-forward-per-token to record from
+        return HFGenerationSettings(
+            generation_config=copy.deepcopy(self.generation_config),
+            eos_token_ids=list(self.eos_token_ids),
+            pad_token_id=self._tokenizer.pad_token_id,
+            chunk_size=self.args.generation_batch_chunk_size,
+            autocast_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.accelerator.mixed_precision),
+            behavior_logps_source=behavior_logps_source,
+            temperature=self.temperature,
+            own_random_stream=own_stream,
+        )
 
     @property
     def _zero3(self) -> bool:
@@ -237,35 +283,16 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
                 )["input_ids"]
             return tokenizer(text=prompts)["input_ids"]
 
-        effective = self._generation_config_checked
-        generator = None
-        if samples_with_own_stream(effective):
-            generator = torch.Generator(device=self._policy.device)
-        else:
-            logger.warning(
-                "This generation config is not plain sampling (%s): the generator leaves token selection to "
-                "generate, which draws from the global RNG that the training thread also uses.",
-                ", ".join(sampling_deviations(effective)),
-            )
-        behavior_logps_source = self.args.behavior_logps_source
-        if behavior_logps_source == "generation" and not records_logps(effective):
-            behavior_logps_source = "forward"  # beams or assisted decoding: no one-forward-per-token to record from
         return RolloutSettings(
             tokenize_prompts=tokenize,
             decode=lambda ids, prompt_ids, prompts: decode_completions(tokenizer, ids, prompt_ids, prompts),
-            generation_config=copy.deepcopy(self.generation_config),
             eos_token_ids=list(self.eos_token_ids),
             pad_token_id=self._tokenizer.pad_token_id,
             reward_funcs=list(self.reward_funcs),
             reward_func_names=list(self.reward_func_names),
             reward_processing_classes=[copy.deepcopy(c) for c in self.reward_processing_classes],
             mask_truncated_completions=self.mask_truncated_completions,
-            chunk_size=self.args.generation_batch_chunk_size,
             pad_to_multiple_of=self.pad_to_multiple_of,
-            autocast_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.accelerator.mixed_precision),
-            behavior_logps_source=behavior_logps_source,
-            temperature=self.temperature,
-            sampling_generator=generator,
             sampling_seeds=None if batch_numbers is None else self._sampling_seeds(batch_numbers),
             deferred_reward_columns=self._deferred_reward_columns(),
             async_loop=getattr(self, "async_loop", None),
@@ -291,8 +318,8 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
 
     def _start_engine(self):
         args = self.args
-        if self._policy is None:
-            self._policy = self._build_policy()
+        if self._backend is None:
+            self._backend = self._build_backend()
         start_version = self.state.global_step
         if self._steps_in_epoch is None:  # batches taken outside train(): the loop's shape from its dataloader
             self.set_initial_training_values(args, self.get_train_dataloader())
@@ -323,7 +350,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         )
         settings = self._rollout_settings(batch_number)
         self._engine = GenerationEngine(
-            policy=self._policy,
+            backend=self._backend,
             prompt_batches=prompt_batches,
             rollout=lambda *args: run_rollout(settings, *args),
             min_version=lambda index: oldest_allowed_version(planned[index], args.max_staleness, start_version),

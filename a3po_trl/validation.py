@@ -5,12 +5,9 @@ from __future__ import annotations
 from datasets import IterableDataset
 from trl import GRPOConfig
 
+from .generation.vllm_setup import check_vllm_settings
+
 _UNSUPPORTED_ARGS = {
-    "use_vllm": (
-        True,
-        "generation runs with Hugging Face generate in the trainer's own generation thread (a vLLM backend is "
-        "planned); set use_vllm=False, or use trl.GRPOTrainer to generate with vLLM",
-    ),
     "use_transformers_continuous_batching": (
         True,
         "the generation thread calls generate on its own copy of the weights; set "
@@ -29,6 +26,13 @@ def check_supported(args: GRPOConfig, kwargs: dict) -> None:
     for name, (bad_value, fix) in _UNSUPPORTED_ARGS.items():
         if getattr(args, name, None) == bad_value:
             raise NotImplementedError(f"{name}={bad_value!r} is not supported by AsyncA3POTrainer: {fix}.")
+    check_vllm_settings(args)
+    if args.use_vllm and getattr(args, "behavior_logps_source", "generation") == "forward":
+        raise ValueError(
+            "behavior_logps_source='forward' needs the generator's own Hugging Face model; with use_vllm=True the "
+            "behavior log-probs are the engine's (of the temperature-scaled distribution, processed_logprobs). Set "
+            "behavior_logps_source='generation'."
+        )
     for name in ("tools", "rollout_func", "environment_factory"):
         if kwargs.get(name):
             raise NotImplementedError(f"`{name}` was passed, but {_MULTI_TURN}.")

@@ -3,7 +3,7 @@
     python benchmarks/lora_memory.py                      # SmolLM2-135M-Instruct (offline), LoRA r=16 on all linears
     python benchmarks/lora_memory.py --model tiny         # the tiny random Llama of the tests
 
-The generator thread of `AsyncA3POTrainer` holds a `GeneratorPolicy`: with LoRA its frozen base tensors ARE the
+The generator thread of `AsyncA3POTrainer` holds an `HFGenerateBackend`: with LoRA its frozen base tensors ARE the
 trainer's (same storage) and only the adapter tensors are its own, plus a staging buffer of the same size that the
 main thread publishes into. This script builds the policy both ways on the same model and reports, for each, the
 bytes of tensors the generator owns (parameters, buffers and staging, counted by storage so shared tensors count
@@ -23,7 +23,9 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from a3po_trl.generation import GeneratorPolicy  # noqa: E402
+from transformers import GenerationConfig  # noqa: E402
+
+from a3po_trl.generation import HFGenerateBackend, HFGenerationSettings  # noqa: E402
 
 
 def rss_bytes() -> int:
@@ -39,7 +41,7 @@ def _storages(tensors) -> dict[int, int]:
     return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
 
 
-def owned_bytes(policy: GeneratorPolicy, trainer_module: torch.nn.Module) -> dict:
+def owned_bytes(policy: HFGenerateBackend, trainer_module: torch.nn.Module) -> dict:
     """Bytes of the generator's tensors whose storage is not the trainer's, split into weights and staging."""
     trainer = _storages(list(trainer_module.parameters()) + list(trainer_module.buffers()))
     generator = _storages(list(policy.module.parameters()) + list(policy.module.buffers()))
@@ -64,7 +66,8 @@ def load_model(name: str):
 def measure(model, label: str) -> dict:
     gc.collect()
     before = rss_bytes()
-    policy = GeneratorPolicy(model)
+    settings = HFGenerationSettings(GenerationConfig(), eos_token_ids=[0], pad_token_id=0)
+    policy = HFGenerateBackend(model, settings)
     policy.publish(model, version=0)
     assert policy.refresh() and policy.matches(model)
     gc.collect()

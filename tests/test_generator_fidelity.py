@@ -75,11 +75,11 @@ def test_generator_keeps_the_fp32_lm_head(tokenizer, tmp_path):
             tokenizer, tmp_path / str(bf16), model=model, bf16=bf16, cast_lm_head_to_fp32=True, max_steps=2
         )
         trainer.train()
-        head = trainer.last_generation_engine.policy.module.lm_head
+        head = trainer.last_generation_engine.backend.module.lm_head
         assert head.weight.dtype == torch.float32
         dtypes = []
         hook = head.register_forward_hook(lambda module, args, output, dtypes=dtypes: dtypes.append(output.dtype))
-        trainer.last_generation_engine.policy.module.generate(
+        trainer.last_generation_engine.backend.module.generate(
             input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False
         )
         hook.remove()
@@ -183,7 +183,7 @@ def test_reward_functions_get_the_state_of_the_batchs_version_and_their_own_toke
 def test_reward_processing_classes_are_copied_for_the_generation_thread(tokenizer, tmp_path):
     trainer = make_trainer(tokenizer, tmp_path, dataset=make_prompts(8))
     trainer.reward_processing_classes = [tokenizer]
-    trainer._policy = trainer._build_policy()
+    trainer._backend = trainer._build_backend()
     settings = trainer._rollout_settings()
     assert settings.reward_processing_classes[0] is not tokenizer
     assert settings.reward_processing_classes[0].get_vocab() == tokenizer.get_vocab()

@@ -36,9 +36,28 @@ def test_bad_config_values_name_the_field(tmp_path, overrides, message):
 
 
 BAD_OPTIONS = [
-    ({"use_vllm": True}, "use_vllm=True is not supported.*set use_vllm=False"),
     ({"use_transformers_continuous_batching": True}, "use_transformers_continuous_batching=False"),
 ]
+
+VLLM = {"use_vllm": True}
+BAD_VLLM_OPTIONS = [
+    ({**VLLM, "vllm_mode": "remote"}, "vllm_mode='remote' must be one of"),
+    ({**VLLM, "vllm_enable_sleep_mode": True}, "vllm_enable_sleep_mode=True.*vllm_gpu_memory_utilization"),
+    ({**VLLM, "vllm_structured_outputs_regex": "[0-9]+"}, "vllm_structured_outputs_regex.*masked distribution"),
+    ({**VLLM, "vllm_tensor_parallel_size": 2}, "vllm_tensor_parallel_size=2.*vllm_mode='server'"),
+    ({**VLLM, "vllm_importance_sampling_correction": False}, "vllm_importance_sampling_correction=False.*cannot"),
+    ({**VLLM, "vllm_importance_sampling_mode": "token_mask"}, "vllm_importance_sampling_mode=.*behavior_weight_cap"),
+    ({**VLLM, "vllm_importance_sampling_clip_max": 2.0}, "vllm_importance_sampling_clip_max=2.0.*behavior_weight_cap"),
+    ({**VLLM, "behavior_logps_source": "forward"}, "behavior_logps_source='forward'.*'generation'"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_VLLM_OPTIONS)
+def test_vllm_settings_that_cannot_be_honoured_name_the_field_before_the_model_loads(
+    tokenizer, tmp_path, overrides, message
+):
+    with pytest.raises(ValueError, match=message):
+        make_trainer(tokenizer, tmp_path, model="does-not-exist/never-loaded", **overrides)
 
 
 @pytest.mark.parametrize("overrides, message", BAD_OPTIONS)

@@ -8,6 +8,7 @@ from tiny import length_reward, make_model
 from transformers import GenerationConfig
 from trl.trainer.utils import add_fused_lm_head
 
+from a3po_trl.generation import HFGenerateBackend, HFGenerationSettings
 from a3po_trl.rollout import RolloutSettings, run_rollout
 from a3po_trl.scoring import group_advantages, score_completions
 
@@ -64,10 +65,24 @@ def test_score_completions_passes_columns_and_names_failures():
     assert "fails" in "".join(info.value.__notes__)
 
 
-def _rollout_settings(tokenizer, source: str, temperature: float, **generation_kwargs) -> RolloutSettings:
+def _rollout_settings(tokenizer) -> RolloutSettings:
     def tokenize(prompts):
         return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
 
+    return RolloutSettings(
+        tokenize_prompts=tokenize,
+        decode=lambda ids, prompt_ids, prompts: tokenizer.batch_decode(ids, skip_special_tokens=True),
+        eos_token_ids=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        reward_funcs=[length_reward],
+        reward_func_names=["length_reward"],
+        reward_processing_classes=[None],
+    )
+
+
+def _backend(model, tokenizer, source: str, temperature: float, **generation_kwargs) -> HFGenerateBackend:
+    """The generate backend on a copy of ``model`` (whose fused LM head it re-applies), sampling with the global RNG
+    as the tests seed it."""
     generation_config = GenerationConfig(
         do_sample=True,
         temperature=temperature,
@@ -78,18 +93,20 @@ def _rollout_settings(tokenizer, source: str, temperature: float, **generation_k
         eos_token_id=tokenizer.eos_token_id,
         **generation_kwargs,
     )
-    return RolloutSettings(
-        tokenize_prompts=tokenize,
-        decode=lambda ids, prompt_ids, prompts: tokenizer.batch_decode(ids, skip_special_tokens=True),
+    settings = HFGenerationSettings(
         generation_config=generation_config,
         eos_token_ids=[tokenizer.eos_token_id],
         pad_token_id=tokenizer.pad_token_id,
-        reward_funcs=[length_reward],
-        reward_func_names=["length_reward"],
-        reward_processing_classes=[None],
         behavior_logps_source=source,
         temperature=temperature,
+        own_random_stream=False,
     )
+
+    def patch(module):
+        target = module.get_base_model() if hasattr(module, "get_base_model") else module
+        add_fused_lm_head(target, temperature=temperature)
+
+    return HFGenerateBackend(model, settings, patch_fn=patch)
 
 
 def _patched_model(tokenizer, temperature: float, lora: bool):
@@ -118,8 +135,8 @@ def test_behavior_logps_recorded_during_generation_equal_a_forward_pass(tokenize
     for source in ("generation", "forward"):
         torch.manual_seed(11)
         scoring_forwards.clear()
-        settings = _rollout_settings(tokenizer, source, temperature, top_k=top_k)
-        batches[source] = run_rollout(settings, model, rows)
+        backend = _backend(model, tokenizer, source, temperature, top_k=top_k)
+        batches[source] = run_rollout(_rollout_settings(tokenizer), backend, rows)
         scoring[source] = sum(scoring_forwards)
     assert scoring == {"generation": 0, "forward": 1}
     recorded, forward = batches["generation"].tensors, batches["forward"].tensors
@@ -135,20 +152,21 @@ def test_behavior_logps_recorded_during_generation_equal_a_forward_pass(tokenize
 def test_recorder_falls_back_to_a_forward_when_generate_does_not_step_once_per_token(tokenizer, caplog):
     model = _patched_model(tokenizer, 1.0, lora=False)
     with pytest.raises(ValueError, match="behavior_logps_source"):
-        run_rollout(_rollout_settings(tokenizer, "cache", 1.0), model, [{"prompt": "a"}, {"prompt": "b"}])
+        _backend(model, tokenizer, "cache", 1.0)
     rows = [{"prompt": "a prompt longer than one prefill chunk"}, {"prompt": "b"}]
     torch.manual_seed(0)
-    run_rollout(_rollout_settings(tokenizer, "generation", 1.0), model, rows)
-    assert not model._forward_hooks  # nothing is left on the generator's model after a rollout
+    backend = _backend(model, tokenizer, "generation", 1.0)
+    run_rollout(_rollout_settings(tokenizer), backend, rows)
+    assert not backend.module._forward_hooks  # nothing is left on the generator's model after a rollout
     # a prefill in chunks runs several forwards before the first token: the recorded columns would be misaligned, so
     # the rollout scores the tokens with a forward pass instead, and says so once
     results = {}
     for source in ("generation", "forward"):
         torch.manual_seed(0)
-        chunked = _rollout_settings(tokenizer, source, 1.0, prefill_chunk_size=4)
-        with caplog.at_level("WARNING", logger="a3po_trl.rollout"):
-            results[source] = run_rollout(chunked, model, rows).tensors
-        assert not model._forward_hooks
+        chunked = _backend(model, tokenizer, source, 1.0, prefill_chunk_size=4)
+        with caplog.at_level("WARNING", logger="a3po_trl.generation.hf_generate"):
+            results[source] = run_rollout(_rollout_settings(tokenizer), chunked, rows).tensors
+        assert not chunked.module._forward_hooks
     assert caplog.text.count("could not be recorded during generation") == 1
     assert torch.equal(results["generation"]["completion_ids"], results["forward"]["completion_ids"])
     assert torch.equal(results["generation"]["behavior_logps"], results["forward"]["behavior_logps"])

@@ -59,8 +59,8 @@ def test_smollm2_trains_asynchronously_and_evaluates(tmp_path):
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
     engine = trainer.last_generation_engine
     assert engine.produced == engine.consumed == STEPS
-    engine.policy.refresh()
-    assert engine.policy.matches(trainer.model)
+    engine.backend.refresh()
+    assert engine.backend.matches(trainer.model)
 
     result = evaluate_accuracy(trainer.model, tokenizer, held_out, max_new_tokens=12, batch_size=4)
     assert result["count"] == 4 and 0.0 <= result["accuracy"] <= 1.0

@@ -117,7 +117,7 @@ def test_parameters_change_and_generator_matches_after_publication(tokenizer, tm
     trainer.train()
     changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
     assert len(changed) == len(before)
-    policy = trainer.last_generation_engine.policy
+    policy = trainer.last_generation_engine.backend
     assert policy.published_version == trainer.state.global_step == 3
     assert not policy.matches(trainer.model) or policy.version == 3
     policy.refresh()

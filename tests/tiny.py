@@ -116,3 +116,23 @@ def length_reward(completions, **kwargs):
 def digit_reward(completions, **kwargs):
     texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
     return [sum(ch.isdigit() for ch in t) / 4.0 for t in texts]
+
+
+def make_vllm_model(tokenizer, seed: int = 0, tie_word_embeddings: bool = True) -> LlamaForCausalLM:
+    """A small random Llama that vLLM's CPU kernels accept (head size 64), with tied embeddings by default (the case
+    where vLLM's packed LM head must be refreshed after a weight load)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    return LlamaForCausalLM(config)

@@ -82,7 +82,7 @@ def main():
 
     trainer._take_scored_batch = recording_take
     trainer.train()
-    policy = trainer.last_generation_engine.policy
+    policy = trainer.last_generation_engine.backend
     policy.refresh()  # load the last published weights (version = final global_step)
     state = trainer.accelerator.state
     report = {

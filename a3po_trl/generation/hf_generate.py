@@ -1,0 +1,305 @@
+"""The Hugging Face ``generate`` backend: generation on the generator's own copy of the policy, in-process.
+
+The copy is a ``deepcopy`` of the (unwrapped) training module in which every frozen parameter is the *same* tensor as
+the trainer's (shared when on the same device) and every trainable parameter is its own clone, refreshed from the
+staging buffer between batches. Any instance-level ``forward`` patch (TRL's fused LM head, accelerate's autocast
+wrapper) is removed from the copy, so it never closes over the training module; ``patch_fn`` re-applies a patch to
+the copy itself.
+
+When the training module's parameters are sharded (DeepSpeed ZeRO-3), ``gather`` makes them whole: the copy is built
+fresh from the model's config and loaded with the gathered weights (nothing can be shared), and every publication
+gathers the trainable weights; both happen in the main thread, on every process together.
+
+Sampling draws from the backend's own ``torch.Generator`` (:class:`~a3po_trl.sampling.OwnStreamSampling`) for
+plain sampling, and the behavior log-probs are recorded while generating
+(:class:`~a3po_trl.sampling.GenerationLogpsRecorder`) or, where ``generate`` does not run one forward per token,
+computed with one extra forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import GenerationConfig, StoppingCriteriaList
+
+from ..sampling import GenerationLogpsRecorder, OwnStreamSampling
+from .backend import (
+    GeneratedCompletions,
+    GenerationBackend,
+    GenerationStopped,
+    module_device,
+    pad_rows,
+    same_device,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Where the behavior log-probs can come from (``AsyncA3POConfig.behavior_logps_source``).
+BEHAVIOR_LOGPS_SOURCES = ("generation", "forward")
+
+
+def generation_target(module: nn.Module) -> nn.Module:
+    """The causal LM whose forward ``generate`` calls (the base model of a PEFT model)."""
+    return module.get_base_model() if hasattr(module, "get_base_model") else module
+
+
+def per_token_logps_fused(model: nn.Module, input_ids, attention_mask, logits_to_keep: int, chunk_size: int | None):
+    """Per-token log-probs of the last ``logits_to_keep`` tokens through TRL's fused LM head (temperature-scaled)."""
+    chunk_size = chunk_size or input_ids.size(0)
+    out = []
+    for start in range(0, input_ids.size(0), chunk_size):
+        ids = input_ids[start : start + chunk_size]
+        mask = attention_mask[start : start + chunk_size]
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[:, :-logits_to_keep] = -100
+        outputs = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+        out.append(outputs.log_probs[:, -logits_to_keep:].float())
+    return torch.cat(out, dim=0)
+
+
+@dataclass
+class HFGenerationSettings:
+    """How the ``generate`` backend samples, copied from the trainer once so the thread never reads the trainer."""
+
+    generation_config: GenerationConfig
+    eos_token_ids: list[int]
+    pad_token_id: int
+    chunk_size: int | None = None
+    """Rows per ``generate`` call (None: the whole batch at once)."""
+    autocast_dtype: torch.dtype | None = None
+    """Mixed-precision dtype of the trainer's forward (bf16/fp16), applied to generation and behavior log-probs so
+    they come from the same numerics as the training log-probs; None for full precision."""
+    behavior_logps_source: str = "generation"
+    """``"generation"``: record the log-probs while generating (:class:`GenerationLogpsRecorder`); ``"forward"``:
+    one extra no-grad forward over prompts and completions after generation."""
+    temperature: float = 1.0
+    """Temperature of the training log-probs (TRL's ``temperature``), used by ``"generation"``."""
+    own_random_stream: bool = True
+    """Sample from the backend's own ``torch.Generator`` (plain sampling only, see
+    :func:`~a3po_trl.sampling.samples_with_own_stream`); False leaves token selection to ``generate`` (the global
+    RNG)."""
+
+
+class HFGenerateBackend(GenerationBackend):
+    """Generation with Hugging Face ``generate`` on the generator's own copy of the policy (see the module doc)."""
+
+    name = "generate"
+
+    def __init__(
+        self,
+        module: nn.Module,
+        settings: HFGenerationSettings,
+        device: torch.device | str | None = None,
+        patch_fn=None,
+        gather=None,
+    ):
+        if settings.behavior_logps_source not in BEHAVIOR_LOGPS_SOURCES:
+            raise ValueError(
+                f"behavior_logps_source={settings.behavior_logps_source!r} must be one of {BEHAVIOR_LOGPS_SOURCES}."
+            )
+        self.settings = settings
+        device = torch.device(device) if device is not None else module_device(module)
+        if gather is None:
+            shares = same_device(device, module_device(module))
+            memo = {id(p): p for p in module.parameters() if not p.requires_grad} if shares else {}
+            self.module = copy.deepcopy(module, memo)
+            for submodule in self.module.modules():
+                submodule.__dict__.pop("forward", None)
+                submodule.__dict__.pop("_original_forward", None)
+        else:
+            shares = False
+            self.module = _fresh_copy(module, gather)
+        if not shares:
+            self.module.to(device)
+        self.module.eval()
+
+        source = dict(module.named_parameters())
+        own = dict(self.module.named_parameters())
+        trainable_names = [name for name, p in source.items() if p.requires_grad]
+        for name in trainable_names:
+            own[name].requires_grad_(False)
+        self._own = {name: own[name] for name in trainable_names}
+        super().__init__(
+            trainable_names,
+            {name: torch.empty_like(p) for name, p in self._own.items()},
+            gather,
+            device,
+        )
+        self.shared_parameter_count = sum(p.numel() for name, p in own.items() if name not in self._own and shares)
+        self.copied_parameter_count = sum(p.numel() for p in self._own.values())
+        if patch_fn is not None:
+            patch_fn(self.module)
+        self._sampling_generator = torch.Generator(device=self.device) if settings.own_random_stream else None
+        self._fallback_warned = False
+
+    def load_weights(self, weights, version):
+        for name, param in self._own.items():
+            param.copy_(weights[name])
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def matches(self, module: nn.Module) -> bool:
+        """Whether the generator's trainable weights equal ``module``'s (a check for tests and debugging)."""
+        params = dict(module.named_parameters())
+        with self._gather([params[name] for name in self.trainable_names]):
+            return all(
+                torch.equal(self._own[name].cpu(), params[name].detach().cpu()) for name in self.trainable_names
+            )
+
+    def generate(self, prompt_ids, should_stop, seed):
+        settings = self.settings
+        if self._sampling_generator is not None and seed is not None:
+            self._sampling_generator.manual_seed(seed)
+        record = settings.behavior_logps_source == "generation"
+        timings = {}
+        with torch.no_grad(), _autocast(self.device, settings.autocast_dtype):
+            completion_ids, logps = self._generate(prompt_ids, should_stop, record)
+        if logps is None:
+            if record and not self._fallback_warned:
+                self._fallback_warned = True
+                logger.warning(
+                    "The behavior log-probs could not be recorded during generation (this generation setup runs "
+                    "forwards that are not one per generated token); they are computed with one extra forward pass "
+                    "instead. Set behavior_logps_source='forward' to silence this."
+                )
+            start = time.perf_counter()
+            logps = self._forward_logps(prompt_ids, completion_ids)
+            timings["behavior_logps"] = time.perf_counter() - start
+        return GeneratedCompletions(completion_ids=completion_ids, logps=logps, timings=timings)
+
+    def _forward_logps(self, prompt_ids, completion_ids) -> list[torch.Tensor]:
+        settings = self.settings
+        prompts, prompt_mask = pad_rows(prompt_ids, settings.pad_token_id, "left")
+        completions, completion_mask = pad_rows(completion_ids, settings.pad_token_id, "right")
+        with torch.no_grad(), _autocast(self.device, settings.autocast_dtype):
+            logps = per_token_logps_fused(
+                self.module,
+                torch.cat([prompts, completions], dim=1).to(self.device),
+                torch.cat([prompt_mask, completion_mask], dim=1).to(self.device),
+                completions.size(1),
+                settings.chunk_size,
+            ).cpu()
+        return [row[: len(ids)] for row, ids in zip(logps, completion_ids)]
+
+    def _generate(self, prompt_ids_list, should_stop, record_logps: bool):
+        """Completion ids per row, cut after the first EOS, and (``record_logps``) their behavior log-probs, ``None``
+        when they could not be recorded."""
+        settings, module, device = self.settings, self.module, self.device
+        chunk = settings.chunk_size or len(prompt_ids_list)
+        stopping = StoppingCriteriaList([_CallableStop(should_stop)]) if should_stop is not None else None
+        extra = {}
+        if self._sampling_generator is not None:
+            extra["custom_generate"] = OwnStreamSampling(self._sampling_generator)
+        completions: list[list[int]] = []
+        logps: list[torch.Tensor] | None = [] if record_logps else None
+        eos = torch.tensor(settings.eos_token_ids, device=device)
+        for start in range(0, len(prompt_ids_list), chunk):
+            ids, mask = pad_rows(prompt_ids_list[start : start + chunk], settings.pad_token_id, "left")
+            ids, mask = ids.to(device), mask.to(device)
+            recorder = (
+                GenerationLogpsRecorder(generation_target(module), settings.temperature) if logps is not None else None
+            )
+            try:
+                output = module.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    generation_config=settings.generation_config,
+                    stopping_criteria=stopping,
+                    synced_gpus=False,  # transformers turns it on under ZeRO-3: a collective per token would deadlock
+                    **extra,
+                )
+            finally:
+                if recorder is not None:
+                    recorder.close()
+            generated = output[:, ids.size(1) :]
+            chunk_logps = recorder.finish(generated) if recorder is not None else None
+            if recorder is not None and chunk_logps is None:
+                logps = None  # misaligned: the caller computes them with a forward pass instead
+            is_eos = torch.isin(generated, eos)
+            eos_idx = torch.full((is_eos.size(0),), is_eos.size(1), dtype=torch.long, device=device)
+            has_eos = is_eos.any(dim=1)
+            eos_idx[has_eos] = is_eos.int().argmax(dim=1)[has_eos]
+            keep = torch.arange(is_eos.size(1), device=device).expand(is_eos.size(0), -1) <= eos_idx.unsqueeze(1)
+            keep = keep.cpu()
+            completions.extend(row[m].tolist() for row, m in zip(generated.cpu(), keep))
+            if logps is not None:
+                logps.extend(row[m] for row, m in zip(chunk_logps.float().cpu(), keep))
+        if should_stop is not None and should_stop():
+            raise GenerationStopped
+        return completions, logps
+
+
+class _CallableStop:
+    """A stopping criterion that ends generation when ``should_stop()`` turns true."""
+
+    def __init__(self, should_stop):
+        self.should_stop = should_stop
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), bool(self.should_stop()), dtype=torch.bool, device=input_ids.device)
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    return torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def _fresh_copy(module: nn.Module, gather) -> nn.Module:
+    """An unsharded copy of a sharded (ZeRO-3) causal LM or PEFT model: built from its config, loaded with its
+    weights gathered one tensor at a time."""
+    is_peft = hasattr(module, "get_base_model") and hasattr(module, "peft_config")
+    base = module.get_base_model() if is_peft else module
+    config = copy.deepcopy(base.config)
+    with _without_zero3_init():
+        fresh = type(base)(config)
+    if is_peft:
+        from peft import get_peft_model
+
+        adapters = list(module.peft_config)
+        fresh = get_peft_model(fresh, module.peft_config[adapters[0]], adapter_name=adapters[0])
+        for name in adapters[1:]:
+            fresh.add_adapter(name, module.peft_config[name])
+    state = {}
+    for name, param in module.named_parameters():
+        with gather([param]):
+            state[name] = param.detach().to("cpu", copy=True)
+    missing, unexpected = fresh.load_state_dict(state, strict=False)
+    missing = [name for name in missing if name in dict(fresh.named_parameters())]
+    if missing or unexpected:
+        raise RuntimeError(f"Could not rebuild the generator's weights: missing {missing}, unexpected {unexpected}.")
+    for name, param in fresh.named_parameters():
+        param.data = param.data.to(state[name].dtype)  # each weight keeps its own dtype (e.g. an fp32 LM head)
+    _mark_available_for_zero3(fresh)
+    return fresh
+
+
+def _mark_available_for_zero3(module: nn.Module) -> None:
+    """Tell ZeRO-3-aware code (TRL's fused LM head gathers `lm_head` when ZeRO-3 is on) that these whole,
+    unsharded parameters need no gathering."""
+    try:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    except ImportError:  # pragma: no cover - only reached with ZeRO-3, where deepspeed is installed
+        return
+    for param in module.parameters():
+        param.ds_status = ZeroParamStatus.AVAILABLE
+
+
+@contextlib.contextmanager
+def _without_zero3_init():
+    """Build a module unsharded even where transformers would wrap construction in `deepspeed.zero.Init`."""
+    try:
+        from transformers.integrations import deepspeed as hf_deepspeed
+    except ImportError:  # pragma: no cover - transformers without the integration
+        yield
+        return
+    saved = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved

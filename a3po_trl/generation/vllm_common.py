@@ -1,0 +1,144 @@
+"""What both vLLM backends share: sampling parameters, reading vLLM's outputs, weight names and LoRA adapter files.
+
+Nothing here imports vLLM at module level; :func:`sampling_params` imports it when called.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from .backend import GeneratedCompletions
+
+#: The ranks of vLLM LoRA slots go by powers of two up to this (``max_lora_rank`` must be one of them).
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+@dataclass
+class VLLMSamplingSettings:
+    """How vLLM samples: GRPOTrainer's sampling fields, as its own vLLM path passes them."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] = field(default_factory=list)
+    generation_kwargs: dict = field(default_factory=dict)
+    """``GRPOConfig.generation_kwargs``, passed to ``SamplingParams`` as they are."""
+
+
+def sampling_params(settings: VLLMSamplingSettings, seed: int | None):
+    """One ``SamplingParams`` for one prompt: one completion, the sampled token's log-prob (``logprobs=0``, which
+    the engine reports as ``processed_logprobs``: after temperature, what the trainer's forward scores), no
+    detokenizing."""
+    from vllm import SamplingParams
+
+    kwargs = dict(
+        n=1,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        top_k=settings.top_k if settings.top_k else -1,
+        min_p=settings.min_p or 0.0,
+        repetition_penalty=settings.repetition_penalty,
+        max_tokens=settings.max_tokens,
+        logprobs=0,
+        stop_token_ids=list(settings.stop_token_ids),
+        detokenize=False,
+        seed=seed,
+    )
+    kwargs.update(settings.generation_kwargs or {})
+    return SamplingParams(**kwargs)
+
+
+def row_seeds(seed: int | None, count: int) -> list[int | None]:
+    """A seed per prompt of a batch from the batch's seed (each row of a group must sample its own completion)."""
+    if seed is None:
+        return [None] * count
+    return [(seed + i) % (2**63 - 1) for i in range(count)]
+
+
+def completions_from_outputs(outputs, stop_token_ids: list[int]) -> GeneratedCompletions:
+    """Token ids and sampled-token log-probs from vLLM ``RequestOutput``s (one completion each), cut after the first
+    stop token."""
+    stops = set(stop_token_ids)
+    completion_ids, logps = [], []
+    for output in outputs:
+        completion = output.outputs[0]
+        ids = list(completion.token_ids)
+        if completion.logprobs is None:
+            raise RuntimeError("vLLM returned no log-probs; the request must ask for logprobs=0.")
+        values = [position[token].logprob for position, token in zip(completion.logprobs, ids)]
+        for i, token in enumerate(ids):
+            if token in stops:
+                ids, values = ids[: i + 1], values[: i + 1]
+                break
+        completion_ids.append(ids)
+        logps.append(torch.tensor(values, dtype=torch.float32))
+    return GeneratedCompletions(completion_ids=completion_ids, logps=logps)
+
+
+def checkpoint_name(name: str) -> str:
+    """A training module's parameter name as vLLM's ``load_weights`` expects it (Hugging Face checkpoint names): the
+    PEFT wrapper's prefixes and ``base_layer`` removed, as TRL's vLLM weight sync does."""
+    name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+    return name.replace("modules_to_save.default.", "").replace("_checkpoint_wrapped_module.", "")
+
+
+def unsupported_lora_reason(peft_config) -> str | None:
+    """Why vLLM cannot serve this PEFT config as a LoRA adapter (so its weights are merged instead), or None."""
+    if type(peft_config).__name__ != "LoraConfig":
+        return f"{type(peft_config).__name__} is not LoRA"
+    if getattr(peft_config, "use_dora", False):
+        return "DoRA (use_dora=True)"
+    if getattr(peft_config, "modules_to_save", None):
+        return f"modules_to_save={peft_config.modules_to_save}"
+    if getattr(peft_config, "trainable_token_indices", None):
+        return "trainable_token_indices"
+    if getattr(peft_config, "bias", "none") != "none":
+        return f"bias={peft_config.bias!r}"
+    if getattr(peft_config, "rank_pattern", None) or getattr(peft_config, "alpha_pattern", None):
+        return "rank_pattern/alpha_pattern"
+    if lora_slot_rank(peft_config.r) is None:
+        return f"r={peft_config.r} (vLLM's largest LoRA rank is {_VLLM_LORA_RANKS[-1]})"
+    return None
+
+
+def lora_slot_rank(rank: int) -> int | None:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of ``rank``."""
+    return next((r for r in _VLLM_LORA_RANKS if r >= rank), None)
+
+
+def write_lora_adapter(directory: str, weights: dict[str, torch.Tensor], peft_config, adapter_name: str) -> None:
+    """Write the LoRA weights of one version as a PEFT adapter directory (``adapter_config.json`` and
+    ``adapter_model.safetensors``, keys without the adapter name, as ``save_pretrained`` writes them)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    marker = f".{adapter_name}."
+    tensors = {
+        name.replace(marker, "."): tensor.detach().to("cpu", copy=True).contiguous()
+        for name, tensor in weights.items()
+        if marker in name
+    }
+    if not tensors:
+        raise RuntimeError(f"No weights of adapter {adapter_name!r} among the published ones: {sorted(weights)[:5]}")
+    save_file(tensors, os.path.join(directory, "adapter_model.safetensors"))
+    config = peft_config.to_dict()
+    config["target_modules"] = sorted(config["target_modules"]) if isinstance(
+        config.get("target_modules"), set
+    ) else config.get("target_modules")
+    with open(os.path.join(directory, "adapter_config.json"), "w") as f:
+        json.dump(config, f, default=_json_default)
+
+
+def _json_default(value):
+    if isinstance(value, set):
+        return sorted(value)
+    if hasattr(value, "value"):  # enums (task_type, ...)
+        return value.value
+    return str(value)
