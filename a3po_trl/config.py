@@ -80,6 +80,15 @@ class AsyncA3POConfig(GRPOConfig):
             Seconds `train()` waits for the generation thread to finish when it stops (normally, on an exception or
             on KeyboardInterrupt). A running `generate` call is interrupted at the next token; a reward function that
             never returns cannot be, and the (daemon) thread is then left behind with a warning.
+
+        > Parameters that control the vLLM backend (`use_vllm=True`; GRPOConfig's `vllm_*` fields keep their meaning)
+
+        weight_sync_timeout (`float`, *optional*, defaults to `300.0`):
+            Seconds loading one weight version into a vLLM server may take (an adapter load, a weight reload, a cache
+            reset); past it the batch fails and the error reaches `train()`, instead of a hang.
+        vllm_request_timeout (`float`, *optional*, defaults to `600.0`):
+            Seconds one generation request to a vLLM server may take (a whole local generation batch); past it, or
+            as soon as the server cannot be reached, the batch fails and the error reaches `train()`.
     """
 
     prox_logp_method: str = field(
@@ -155,6 +164,15 @@ class AsyncA3POConfig(GRPOConfig):
         metadata={"help": "Seconds train() waits for the generation thread to stop on exit."},
     )
 
+    weight_sync_timeout: float = field(
+        default=300.0,
+        metadata={"help": "Seconds loading one weight version into a vLLM server may take before the run fails."},
+    )
+    vllm_request_timeout: float = field(
+        default=600.0,
+        metadata={"help": "Seconds one generation request to a vLLM server may take before the run fails."},
+    )
+
     def __post_init__(self):
         # Which batch-schedule setting the user gave, to name it in errors (GRPOConfig fills in the other).
         schedule_setting = (
@@ -184,7 +202,8 @@ class AsyncA3POConfig(GRPOConfig):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value} must be a positive integer or None.")
-        for name in ("generation_poll_interval", "generation_stop_timeout"):
+        timeouts = ("generation_stop_timeout", "weight_sync_timeout", "vllm_request_timeout")
+        for name in ("generation_poll_interval", *timeouts):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be a positive number of seconds.")
         local_batch = self.per_device_train_batch_size * self.steps_per_generation

@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh) and run the whole test suite. Extra arguments go to pytest.
+# Set up (scripts/setup.sh) and run the whole test suite, then the vLLM backend's tests in their own environment
+# (scripts/setup_vllm.sh: vLLM pins transformers < 5.20). Extra arguments go to the first pytest run.
+# A3PO_SKIP_VLLM=1 skips the vLLM part.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 A3PO_EXTRAS="${A3PO_EXTRAS:-deepspeed}" bash scripts/setup.sh  # the suite launches DeepSpeed ZeRO-2/3 runs
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # shellcheck disable=SC1091
 . .venv/bin/activate
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 python -m pytest -q "$@"
+deactivate
+if [ "${A3PO_SKIP_VLLM:-0}" != "1" ]; then
+  bash scripts/setup_vllm.sh
+  # one thread each for the engine and the trainer: stable timings on a small machine
+  OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" .venv-vllm/bin/python -m pytest -q -m vllm tests/test_vllm.py
+fi

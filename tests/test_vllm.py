@@ -177,3 +177,201 @@ def test_stop_ends_a_running_batch_within_a_decoding_step(tokenizer, tmp_path):
         assert len(backend.generate(prompts[:1], None, seed=0).completion_ids) == 1  # the engine is still usable
     finally:
         backend.close()
+
+
+# ---- server mode: a real `trl vllm-serve` on this machine -----------------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_server(model_dir, port, log_path):
+    """`trl vllm-serve` as a user starts it, plus what the trainer's CPU paths need (see the README)."""
+    import shutil
+    import subprocess
+    import sys
+
+    trl = shutil.which("trl", path=os.path.dirname(sys.executable))
+    command = [
+        trl, "vllm-serve", "--model", str(model_dir), "--dtype", "float32", "--enforce_eager", "true",
+        "--host", "127.0.0.1", "--port", str(port), "--max_model_len", "256", "--skip-tokenizer-init",
+        "--worker-extension-cls", "a3po_trl.generation.vllm_worker.A3POWorkerExtension",
+        "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "OMP_NUM_THREADS": "1"}
+    log = open(log_path, "w")
+    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait_healthy(process, url, log_path, timeout=300):
+    import requests
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"vLLM server exited ({process.returncode}): {open(log_path).read()[-3000:]}")
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except requests.exceptions.RequestException:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"vLLM server not healthy after {timeout} s: {open(log_path).read()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory, tokenizer):
+    """One server for the module, on a saved tiny model; the tests that leave it with other weights run last."""
+    import signal
+
+    root = tmp_path_factory.mktemp("vllm-server")
+    make_vllm_model(tokenizer).save_pretrained(root / "model")
+    port = _free_port()
+    log_path = root / "server.log"
+    process = _start_server(root / "model", port, log_path)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(process, url, log_path)
+        yield {"url": url, "port": port, "model": root / "model", "process": process}
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(30)
+            except Exception:  # noqa: BLE001
+                os.killpg(process.pid, signal.SIGKILL)
+
+
+def make_server_trainer(tokenizer, tmp_path, server, peft_config=None, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    settings = {**COMMON, "vllm_mode": "server", "vllm_server_base_url": server["url"], "max_steps": 4, **overrides}
+    return AsyncA3POTrainer(
+        model=AutoModelForCausalLM.from_pretrained(server["model"]),
+        reward_funcs=[length_reward],
+        args=AsyncA3POConfig(output_dir=str(tmp_path / "out"), **settings),
+        train_dataset=make_prompts(16),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
+
+
+def _check_versions_against_trainer(trainer, backend, tokenizer):
+    module = trainer._unwrapped_model()
+    prompts = [tokenizer("hello there")["input_ids"]] * 2 + [tokenizer("The quick brown fox")["input_ids"]] * 2
+    for version in range(3):
+        if version:
+            perturb(module)
+        backend.publish(module, version)
+        assert backend.refresh() and backend.version == version
+        out = backend.generate(prompts, None, seed=99)
+        assert out.completion_ids[0] != out.completion_ids[1]  # each row of a group samples its own completion
+        assert backend.generate(prompts, None, seed=99).completion_ids == out.completion_ids
+        for engine, trained in zip(out.logps, trainer_logps(trainer, prompts, out.completion_ids)):
+            assert (engine - trained).abs().max().item() < LOGP_TOLERANCE
+
+
+def test_server_lora_versions_are_adapters_whose_logps_match_the_trainer(tokenizer, tmp_path, vllm_server):
+    trainer = make_server_trainer(tokenizer, tmp_path, vllm_server, peft_config=lora_config())
+    backend = trainer._build_backend()
+    try:
+        _check_versions_against_trainer(trainer, backend, tokenizer)
+        assert backend._adapter[0].endswith("-v2")
+    finally:
+        backend.close()
+
+
+def test_server_full_weight_versions_reload_and_their_logps_match_the_trainer(tokenizer, tmp_path, vllm_server):
+    trainer = make_server_trainer(tokenizer, tmp_path, vllm_server)
+    backend = trainer._build_backend()
+    try:
+        _check_versions_against_trainer(trainer, backend, tokenizer)
+    finally:
+        backend.close()
+
+
+def test_server_down_at_start_is_an_error_naming_the_url_within_the_timeout(tokenizer, tmp_path):
+    from a3po_trl.generation.vllm_server import VLLMServerError
+
+    url = f"http://127.0.0.1:{_free_port()}"
+    args = AsyncA3POConfig(
+        output_dir=str(tmp_path / "out"),
+        **{**COMMON, "vllm_mode": "server", "vllm_server_base_url": url},
+        vllm_server_timeout=2,
+        max_steps=2,
+    )
+    trainer = AsyncA3POTrainer(
+        model=make_vllm_model(tokenizer),
+        reward_funcs=[length_reward],
+        args=args,
+        train_dataset=make_prompts(16),
+        processing_class=tokenizer,
+    )
+    start = time.perf_counter()
+    with pytest.raises(VLLMServerError, match=f"{url}.*vllm_server_timeout=2"):
+        trainer.train()
+    assert time.perf_counter() - start < 30
+
+
+def test_a_weight_sync_that_hangs_fails_after_its_timeout(tokenizer, tmp_path, vllm_server):
+    import socket
+
+    from a3po_trl.generation.vllm_server import VLLMServerError
+
+    trainer = make_server_trainer(tokenizer, tmp_path, vllm_server, weight_sync_timeout=1.0)
+    backend = trainer._build_backend()
+    silent = socket.socket()  # accepts connections, never answers: a server stuck in a weight load
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    try:
+        backend.base_url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        backend.publish(trainer._unwrapped_model(), 0)
+        start = time.perf_counter()
+        with pytest.raises(VLLMServerError, match="did not answer within 1.0 s"):
+            backend.refresh()
+        assert time.perf_counter() - start < 10
+        assert backend.version == -1  # the version did not count as loaded
+    finally:
+        silent.close()
+        backend.close()
+
+
+def test_training_against_the_server_then_its_death_ends_train_within_seconds_checkpoint_intact(
+    tokenizer, tmp_path, vllm_server
+):
+    """Runs last: it kills the module's server."""
+    import signal
+
+    from transformers import TrainerCallback
+
+    from a3po_trl.generation.vllm_server import VLLMServerError
+
+    killed_at = {}
+
+    class KillServerAfterStep(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                os.killpg(vllm_server["process"].pid, signal.SIGKILL)
+                vllm_server["process"].wait(30)
+                killed_at["time"] = time.perf_counter()
+
+    trainer = make_server_trainer(
+        tokenizer, tmp_path, vllm_server, max_steps=8, max_staleness=1, save_strategy="steps", save_steps=1
+    )
+    trainer.add_callback(KillServerAfterStep())
+    with pytest.raises(VLLMServerError, match=vllm_server["url"]):
+        trainer.train()
+    assert time.perf_counter() - killed_at["time"] < 15
+    assert not trainer.last_generation_engine.thread.is_alive()  # joined
+    mismatch = logged(trainer, "a3po/behavior_mismatch_max")
+    assert mismatch and max(mismatch) < LOGP_TOLERANCE
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    from transformers import AutoModelForCausalLM
+
+    restored = AutoModelForCausalLM.from_pretrained(checkpoint)  # the last checkpoint loads whole
+    assert (checkpoint / "trainer_state.json").exists() and restored is not None

@@ -39,19 +39,9 @@ from .vllm_common import (
     unsupported_lora_reason,
     write_lora_adapter,
 )
+from .vllm_worker import repack_lm_head
 
 logger = logging.getLogger(__name__)
-
-
-def _repack_lm_head(worker) -> bool:
-    """Run inside the vLLM worker: redo the LM head's post-load processing (its packed copy of a tied weight)."""
-    model = worker.model_runner.model
-    head = getattr(model, "lm_head", None)
-    method = getattr(head, "quant_method", None)
-    if method is None or not hasattr(method, "process_weights_after_loading"):
-        return False
-    method.process_weights_after_loading(head)
-    return True
 
 
 class VLLMColocateBackend(GenerationBackend):
@@ -132,7 +122,7 @@ class VLLMColocateBackend(GenerationBackend):
 
     def _reload(self, named_tensors) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
-        self.llm.collective_rpc(_repack_lm_head)
+        self.llm.collective_rpc(repack_lm_head)
         self.llm.reset_prefix_cache()
 
     def _load_adapter(self, weights, version: int) -> None:

@@ -129,9 +129,11 @@ def write_lora_adapter(directory: str, weights: dict[str, torch.Tensor], peft_co
         raise RuntimeError(f"No weights of adapter {adapter_name!r} among the published ones: {sorted(weights)[:5]}")
     save_file(tensors, os.path.join(directory, "adapter_model.safetensors"))
     config = peft_config.to_dict()
-    config["target_modules"] = sorted(config["target_modules"]) if isinstance(
-        config.get("target_modules"), set
-    ) else config.get("target_modules")
+    config["target_modules"] = (
+        sorted(config["target_modules"])
+        if isinstance(config.get("target_modules"), set)
+        else config.get("target_modules")
+    )
     with open(os.path.join(directory, "adapter_config.json"), "w") as f:
         json.dump(config, f, default=_json_default)
 
