@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+import weakref
 from collections import defaultdict
 
 import numpy as np
@@ -155,7 +156,8 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         target = generation_target(self._unwrapped_model())
         config = copy.deepcopy(self.generation_config)
         try:
-            config, _ = target._prepare_generation_config(config)
+            if not self._use_vllm_backend:  # vLLM samples with TRL's settings only, not the model's generation_config
+                config, _ = target._prepare_generation_config(config)
         except (AttributeError, TypeError):  # a transformers without the merge helper: use TRL's config as it is
             pass
         if config.temperature is not None and abs(config.temperature - self.temperature) > 1e-12:
@@ -320,6 +322,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         args = self.args
         if self._backend is None:
             self._backend = self._build_backend()
+            weakref.finalize(self, self._backend.close)  # an engine or a server's adapters outlive train() calls
         start_version = self.state.global_step
         if self._steps_in_epoch is None:  # batches taken outside train(): the loop's shape from its dataloader
             self.set_initial_training_values(args, self.get_train_dataloader())

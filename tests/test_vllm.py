@@ -117,7 +117,13 @@ def test_every_published_version_reaches_the_engine_and_its_logps_match_the_trai
                 assert out.completion_ids != previous or version == 0
             previous = out.completion_ids
         if lora:
-            assert backend._lora_request.lora_name == "a3po-v2"  # one adapter per version, the base never reloaded
+            assert backend._lora_request.lora_name.endswith("-v2")  # one adapter per version, the base never reloaded
+        backend.reset()  # a second train() starts again from a version the engine already loaded
+        backend.publish(module, 2)
+        assert backend.refresh()
+        out = backend.generate(prompts, None, seed=5)
+        for engine, trained in zip(out.logps, trainer_logps(trainer, prompts, out.completion_ids)):
+            assert (engine - trained).abs().max().item() < LOGP_TOLERANCE
     finally:
         backend.close()
 
@@ -375,3 +381,31 @@ def test_training_against_the_server_then_its_death_ends_train_within_seconds_ch
 
     restored = AutoModelForCausalLM.from_pretrained(checkpoint)  # the last checkpoint loads whole
     assert (checkpoint / "trainer_state.json").exists() and restored is not None
+
+
+@pytest.mark.slow
+def test_backends_benchmark_reports_every_field(tokenizer, tmp_path):
+    """``benchmarks/backends.py`` on a tiny saved model, generate against in-process vLLM (the SmolLM2 numbers in the
+    README come from the same script)."""
+    import json
+    import subprocess
+    import sys
+
+    model_dir = tmp_path / "model"
+    make_vllm_model(tokenizer).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    out = tmp_path / "backends.json"
+    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "backends.py")
+    command = [
+        sys.executable, script, "--model", str(model_dir), "--backends", "generate,vllm-colocate", "--steps", "3",
+        "--warmup", "1", "--batch", "4", "--num-generations", "4", "--max-completion-length", "8",
+        "--max-model-len", "512", "--out", str(out),
+    ]  # fmt: skip
+    subprocess.run(command, check=True, timeout=900)
+    report = json.loads(out.read_text())
+    assert [r["backend"] for r in report["results"]] == ["generate", "vllm-colocate"]
+    for row in report["results"]:
+        assert row["seconds_per_step"] > 0 and row["generation_tokens_per_second"] > 0
+        assert row["pipelining_ideal"] == max(row["generation_seconds_per_batch"], row["training_seconds_per_step"])
+        assert 0.5 < row["ratio_to_ideal"] < 3
+    assert "| vllm-colocate |" in out.with_suffix(".md").read_text()

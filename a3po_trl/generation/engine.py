@@ -227,7 +227,9 @@ class GenerationEngine:
     def _produce(self, index: int) -> ScoredBatch:
         needed = self.min_version(index)
         waited = self._wait_for_version(needed, index)
+        start = time.perf_counter()
         self.backend.refresh()
+        loaded = time.perf_counter() - start
         version = self.backend.version
         rows = next(self.prompt_batches)
         start = time.perf_counter()
@@ -235,6 +237,7 @@ class GenerationEngine:
         batch.index = index
         batch.version = version
         batch.timings["generator_wait_for_staleness_bound"] = waited
+        batch.timings["weight_load"] = loaded
         batch.timings["rollout"] = time.perf_counter() - start
         self.produced += 1
         return batch

@@ -72,6 +72,7 @@ class VLLMColocateBackend(GenerationBackend):
         self._closed = False
         self._adapter_root = tempfile.mkdtemp(prefix="a3po-vllm-adapters-")
         self._lora_request = None
+        self._adapters_loaded = 0
         self._merge_copy: nn.Module | None = None
         params = dict(module.named_parameters())
         trainable = [name for name, p in params.items() if p.requires_grad]
@@ -128,9 +129,10 @@ class VLLMColocateBackend(GenerationBackend):
     def _load_adapter(self, weights, version: int) -> None:
         from vllm.lora.request import LoRARequest
 
-        directory = os.path.join(self._adapter_root, f"v{version}")
+        self._adapters_loaded += 1  # a fresh id per load (LoRA ids start at 1): a version can be loaded again
+        directory = os.path.join(self._adapter_root, f"{self._adapters_loaded}-v{version}")
         write_lora_adapter(directory, weights, self._peft_config, self._adapter_name)
-        request = LoRARequest(f"a3po-v{version}", version + 1, directory)  # LoRA ids start at 1
+        request = LoRARequest(f"a3po-{self._adapters_loaded}-v{version}", self._adapters_loaded, directory)
         engine = self.llm.llm_engine
         if not engine.add_lora(request):
             raise RuntimeError(f"vLLM refused the LoRA adapter of version {version} ({directory}).")

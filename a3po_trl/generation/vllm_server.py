@@ -66,6 +66,7 @@ class VLLMServerBackend(GenerationBackend):
         self._session = requests.Session()  # no retries: a dead server fails the batch now, not after minutes
         self._exchange_dir = tempfile.mkdtemp(prefix="a3po-vllm-weights-")
         self._run_tag = uuid.uuid4().hex[:8]
+        self._adapters_loaded = 0
         self._client = None
         self._adapter = None
         self._closed = False
@@ -161,7 +162,8 @@ class VLLMServerBackend(GenerationBackend):
             self._load_from_files(weights, version)
 
     def _load_adapter(self, weights, version: int) -> None:
-        name = f"a3po-{self._run_tag}-v{version}"  # unique per run: a server outlives trainers
+        self._adapters_loaded += 1  # unique per load and per trainer: a server outlives trainers and reloads
+        name = f"a3po-{self._run_tag}-{self._adapters_loaded}-v{version}"
         directory = os.path.join(self._exchange_dir, name)
         write_lora_adapter(directory, weights, self._peft_config, self._adapter_name)
         self._post("/v1/load_lora_adapter", self.sync_timeout, json={"lora_name": name, "lora_path": directory})

@@ -125,6 +125,13 @@ def build_vllm_backend(trainer):
     args = trainer.args
     module = trainer._unwrapped_model()
     device = torch.device(args.generation_device) if args.generation_device else trainer.accelerator.device
+    if trainer.accelerator.num_processes > 1:
+        raise NotImplementedError(
+            f"use_vllm=True with {trainer.accelerator.num_processes} training processes is not supported yet: each "
+            "process's generation thread would drive vLLM, whose in-process engine joins the training process group "
+            "(colocate) and whose server takes weight versions from one process only (server). Train with one process "
+            "and vLLM, or with DDP / DeepSpeed and the default generate backend (use_vllm=False)."
+        )
     sampling = sampling_settings(trainer)
     gather = trainer._zero3_gather()
     if args.vllm_mode == "server":
@@ -133,6 +140,12 @@ def build_vllm_backend(trainer):
         return VLLMServerBackend(module, args, sampling, device=device, gather=gather)
     from .vllm_colocate import VLLMColocateBackend
 
+    if device.type == "cpu" and (args.generation_num_threads or args.training_num_threads):
+        logger.warning(
+            "generation_num_threads / training_num_threads have no effect with an in-process vLLM engine on CPU: it "
+            "turns torch.set_num_threads into a no-op for the whole process. Set OMP_NUM_THREADS before starting "
+            "instead (it sets the threads of both the engine and the training thread)."
+        )
     local_batch = args.per_device_train_batch_size * args.steps_per_generation
     max_model_len = args.vllm_max_model_length
     engine_kwargs = dict(

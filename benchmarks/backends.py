@@ -1,0 +1,243 @@
+"""Generation backends side by side: Hugging Face ``generate`` against vLLM (in-process and server), same shape.
+
+For each backend, a short ``AsyncA3POTrainer`` run (A-3PO ``loglinear``, ``max_staleness=1``) in its own process, on
+the demo's task and model, reporting: generation tokens/s, seconds per step, seconds per generation batch and per
+training step, the pipelining ideal ``max(generation, training)`` and the measured step's ratio to it, and the
+behavior/trainer log-prob mismatch of the backend. Runs in the vLLM environment (``bash scripts/setup_vllm.sh``):
+
+    .venv-vllm/bin/python benchmarks/backends.py --backends generate,vllm-colocate,vllm-server --lora
+
+``--device cuda`` runs the same on a GPU (colocate on the training GPU; the server on ``--server-device``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BACKENDS = ("generate", "vllm-colocate", "vllm-server")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="model id, local directory or 'smollm2'")
+    parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the averages")
+    parser.add_argument("--batch", type=int, default=8, help="per_device_train_batch_size (= completions per step)")
+    parser.add_argument("--num-generations", type=int, default=8)
+    parser.add_argument("--max-completion-length", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=1024, help="vLLM's max_model_len (prompt + completion)")
+    parser.add_argument("--lora", action="store_true", help="LoRA r=16 on all linear layers (else full weights)")
+    parser.add_argument("--threads", type=int, default=1, help="OMP threads per process (CPU)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--server-device", default="1", help="CUDA_VISIBLE_DEVICES of the server with --device cuda")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="JSON file for the results (a .md table is written beside it)")
+    parser.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--server-url", default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _model_dir(name: str) -> str:
+    sys.path.insert(0, str(HERE.parent))
+    from a3po_trl.models import resolve_model_path
+
+    return resolve_model_path("smollm2-135m-instruct" if name == "smollm2" else name)
+
+
+def _start_server(options, model_dir: str, log_path: Path):
+    port = _free_port()
+    trl = shutil.which("trl", path=os.path.dirname(sys.executable))
+    command = [
+        trl, "vllm-serve", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
+        "--max_model_len", str(options.max_model_len), "--skip-tokenizer-init",
+        "--worker-extension-cls", "a3po_trl.generation.vllm_worker.A3POWorkerExtension",
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "OMP_NUM_THREADS": str(options.threads)}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; without it vLLM's CPU backend reserves 90% of the memory
+    if options.device == "cpu":
+        command += ["--dtype", "float32", "--enforce_eager", "true"]
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = options.server_device
+    if options.lora:
+        command += ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "2"]
+    log = open(log_path, "w")
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    import requests
+
+    start = time.time()
+    while time.time() - start < 600:
+        if process.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited: {log_path.read_text()[-2000:]}")
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                print(f"[backends] server up at {url} after {time.time() - start:.0f} s", flush=True)
+                return process, url
+        except requests.exceptions.RequestException:
+            pass
+        time.sleep(2)
+    raise RuntimeError("the vLLM server did not come up within 600 s")
+
+
+def _run_one(options) -> dict:
+    """One backend's run, in this process."""
+    sys.path.insert(0, str(HERE.parent))
+    from peft import LoraConfig
+
+    from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
+    from a3po_trl.rewards import correctness_reward, format_reward
+    from a3po_trl.tasks import make_math_splits
+
+    backend = options.run_one
+    train, _ = make_math_splits(256, 16, "easy", options.seed)
+    vllm = {"use_vllm": backend != "generate"}
+    if backend == "vllm-colocate":
+        vllm.update(vllm_mode="colocate", vllm_max_model_length=options.max_model_len, vllm_gpu_memory_utilization=0.3)
+    elif backend == "vllm-server":
+        vllm.update(vllm_mode="server", vllm_server_base_url=options.server_url)
+    args = AsyncA3POConfig(
+        output_dir=str(Path(options.out or "/tmp/a3po-backends").with_suffix("") / backend),
+        per_device_train_batch_size=options.batch,
+        num_generations=options.num_generations,
+        max_completion_length=options.max_completion_length,
+        max_steps=options.steps,
+        learning_rate=1e-5,
+        max_staleness=1,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=options.device == "cpu",
+        bf16=options.device == "cuda",
+        seed=options.seed,
+        **vllm,
+    )
+    peft_config = (
+        LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM") if options.lora else None
+    )
+    trainer = AsyncA3POTrainer(
+        model=_model_dir(options.model),
+        reward_funcs=[correctness_reward, format_reward],
+        args=args,
+        train_dataset=train,
+        peft_config=peft_config,
+    )
+    start = time.perf_counter()
+    trainer.train()
+    total = time.perf_counter() - start
+    logs = [h for h in trainer.state.log_history if "step_time" in h][options.warmup :]
+
+    def mean(key):
+        values = [h[key] for h in logs if key in h]
+        return statistics.fmean(values) if values else None
+
+    step = statistics.median(h["step_time"] for h in logs)
+    generation = mean("async/generation_time")
+    training = statistics.median(h["step_time"] - h.get("async/trainer_wait_time", 0.0) for h in logs)
+    mismatch = [
+        h["a3po/behavior_mismatch_max"] for h in trainer.state.log_history if "a3po/behavior_mismatch_max" in h
+    ]
+    return {
+        "backend": backend,
+        "seconds_per_step": step,
+        "generation_seconds_per_batch": generation,
+        "training_seconds_per_step": training,
+        "pipelining_ideal": max(generation, training),
+        "ratio_to_ideal": step / max(generation, training),
+        "generation_tokens_per_second": mean("async/completion_tokens_per_second"),
+        "mean_completion_length": mean("completions/mean_length"),
+        "weight_sync_seconds": mean("async/weight_sync_time"),
+        "weight_load_seconds": mean("async/weight_load_time"),
+        "behavior_mismatch_max": max(mismatch) if mismatch else None,
+        "total_seconds": total,
+    }
+
+
+def _table(results: list[dict], meta: dict) -> str:
+    lines = [
+        f"Backends, {meta['model']} ({'LoRA r=16' if meta['lora'] else 'full weights'}), {meta['batch']} completions "
+        f"x {meta['max_completion_length']} tokens per step, {meta['steps']} steps ({meta['warmup']} warm-up left "
+        f"out), {meta['threads']} thread(s) per process, device {meta['device']}, load before: {meta['load']}.",
+        "",
+        "| backend | tokens/s | s/step | generation s/batch | training s/step | ideal | ratio | version load s "
+        "| mismatch max |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        mismatch = f"{r['behavior_mismatch_max']:.1e}" if r["behavior_mismatch_max"] is not None else "-"
+        load = f"{r['weight_load_seconds']:.2f}" if r.get("weight_load_seconds") is not None else "-"
+        lines.append(
+            f"| {r['backend']} | {r['generation_tokens_per_second']:.1f} | {r['seconds_per_step']:.2f} | "
+            f"{r['generation_seconds_per_batch']:.2f} | {r['training_seconds_per_step']:.2f} | "
+            f"{r['pipelining_ideal']:.2f} | {r['ratio_to_ideal']:.2f} | {load} | {mismatch} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    options = _parser().parse_args()
+    if options.run_one:
+        print("A3PO_RESULT " + json.dumps(_run_one(options)), flush=True)
+        return
+    meta = {k: getattr(options, k) for k in ("model", "lora", "batch", "max_completion_length", "steps", "warmup")}
+    meta.update(threads=options.threads, device=options.device, load=os.getloadavg()[0])
+    results = []
+    for backend in options.backends.split(","):
+        if backend not in BACKENDS:
+            raise SystemExit(f"--backends: unknown backend {backend!r}; choose from {BACKENDS}")
+        server, extra = None, []
+        log_dir = Path(options.out).parent if options.out else Path("/tmp")
+        if backend == "vllm-server":
+            server, url = _start_server(options, _model_dir(options.model), log_dir / "backends-server.log")
+            extra = ["--server-url", url]
+        env = {**os.environ, "OMP_NUM_THREADS": str(options.threads), "VLLM_CPU_KVCACHE_SPACE": "2"}
+        if options.device == "cuda" and backend == "vllm-server":
+            env["CUDA_VISIBLE_DEVICES"] = "0"
+        print(f"[backends] {backend} ...", flush=True)
+        try:
+            out = subprocess.run(
+                [sys.executable, __file__, *sys.argv[1:], "--run-one", backend, *extra],
+                env=env, capture_output=True, text=True, check=False,
+            )  # fmt: skip
+        finally:
+            if server is not None:
+                os.killpg(server.pid, signal.SIGTERM)
+                server.wait(60)
+        lines = [line for line in out.stdout.splitlines() if line.startswith("A3PO_RESULT ")]
+        if out.returncode or not lines:
+            raise SystemExit(f"{backend} failed ({out.returncode}):\n{out.stderr[-4000:]}")
+        results.append(json.loads(lines[-1].removeprefix("A3PO_RESULT ")))
+        print(f"[backends] {backend}: {json.dumps(results[-1])}", flush=True)
+    if options.out and Path(options.out).exists():  # keep the other backends' rows of an earlier run of this shape
+        earlier = json.loads(Path(options.out).read_text())
+        if {k: v for k, v in earlier["meta"].items() if k != "load"} == {k: v for k, v in meta.items() if k != "load"}:
+            done = {r["backend"] for r in results}
+            results = [r for r in earlier["results"] if r["backend"] not in done] + results
+            results.sort(key=lambda r: BACKENDS.index(r["backend"]))
+            meta["load"] = f"{earlier['meta']['load']} / {meta['load']}"
+    table = _table(results, meta)
+    print(table)
+    if options.out:
+        Path(options.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+        Path(options.out).with_suffix(".md").write_text(table)
+
+
+if __name__ == "__main__":
+    main()
