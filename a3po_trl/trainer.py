@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import time
 import weakref
 from collections import defaultdict
@@ -26,6 +27,7 @@ import torch
 from accelerate.utils import gather_object
 from torch import nn
 from transformers import TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOTrainer
 from trl.data_utils import is_conversational
 from trl.trainer.utils import add_fused_lm_head, shuffle_sequence_dict, split_tensor_dict, use_adapter
@@ -43,6 +45,7 @@ from .sampling import records_logps, samples_with_own_stream, sampling_deviation
 from .schedule import TrainingLoopShape, oldest_allowed_version, plan_generation_batches, run_micro_steps
 from .scoring import group_advantages, score_with_reward_model, warn_about_unscorable_rows
 from .validation import check_supported, check_train_dataset
+from .version_checkpoint import load_kept_versions, save_kept_versions
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +127,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         self._micro_steps = []
         self._schedule_warned = False
         self._weight_sync_seconds = 0.0
+        self._resume_checkpoint = None
         self._a3po_counters = defaultdict(float)
         self.add_callback(_PublishWeightsCallback(self))
 
@@ -352,19 +356,23 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             skip_batches=batch_number(0) if planned else 0,
         )
         settings = self._rollout_settings(batch_number)
+        # A resumed reproducible run regenerates its next batches with the versions the checkpoint kept for them.
+        earlier = load_kept_versions(self._resume_checkpoint) if args.reproducible_generation else {}
+        first_version = min([*earlier, start_version])
         self._engine = GenerationEngine(
             backend=self._backend,
             prompt_batches=prompt_batches,
             rollout=lambda *args: run_rollout(settings, *args),
-            min_version=lambda index: oldest_allowed_version(planned[index], args.max_staleness, start_version),
+            min_version=lambda index: oldest_allowed_version(planned[index], args.max_staleness, first_version),
             num_batches=len(planned),
             queue_size=args.max_staleness + 1,
             asynchronous=args.async_generation,
             num_threads=args.generation_num_threads,
             poll_interval=args.generation_poll_interval,
+            exact_versions=args.reproducible_generation,
         )
         self.last_generation_engine = self._engine
-        self._engine.start(self._unwrapped_model(), start_version, self._state_snapshot())
+        self._engine.start(self._unwrapped_model(), start_version, self._state_snapshot(), earlier_versions=earlier)
 
     def _stop_engine(self):
         if self._engine is not None:
@@ -375,6 +383,12 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
                     "it is a daemon thread and is left behind.",
                     self.args.generation_stop_timeout,
                 )
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.args.reproducible_generation and self._backend is not None and self.args.should_save:
+            directory = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            save_kept_versions(self._backend, directory, before=self.state.global_step)
 
     def _state_snapshot(self):
         """A copy of the trainer state as it is now, for reward functions running beside the training thread."""
@@ -395,6 +409,10 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         self._run_start_step = self._step
         self._buffered_inputs = None
         self._schedule_warned = False
+        resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        if resume is True:
+            resume = get_last_checkpoint(self.args.output_dir)
+        self._resume_checkpoint = resume or None
         try:
             return super().train(*args, **kwargs)
         finally:

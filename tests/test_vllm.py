@@ -292,6 +292,22 @@ def test_server_lora_versions_are_adapters_whose_logps_match_the_trainer(tokeniz
         backend.close()
 
 
+def test_training_against_the_server_with_lora_keeps_the_staleness_bound(tokenizer, tmp_path, vllm_server):
+    """Runs before the full-weight tests, which leave the server with other base weights."""
+    trainer = make_server_trainer(
+        tokenizer, tmp_path, vllm_server, peft_config=lora_config(), max_staleness=1, max_steps=3
+    )
+    trainer.train()
+    engine = trainer.last_generation_engine
+    assert engine.produced == engine.consumed == engine.num_batches == 3
+    assert max(logged(trainer, "a3po/staleness_max")) == 1
+    versions = [int(v) for v in logged(trainer, "async/generator_version")]
+    assert trainer._backend._adapter[0].endswith(f"-v{versions[-1]}")  # the last batch's version, as an adapter
+    mismatch = logged(trainer, "a3po/behavior_mismatch_max")
+    assert mismatch and max(mismatch) < LOGP_TOLERANCE
+    trainer._backend.close()
+
+
 def test_server_full_weight_versions_reload_and_their_logps_match_the_trainer(tokenizer, tmp_path, vllm_server):
     trainer = make_server_trainer(tokenizer, tmp_path, vllm_server)
     backend = trainer._build_backend()

@@ -66,7 +66,6 @@ class GenerationBackend(ABC):
         device: torch.device,
     ):
         self.trainable_names = list(trainable_names)
-        self._staging = staging
         self._gather = gather or _no_gather
         self.device = torch.device(device)
         self.version = -1
@@ -75,24 +74,34 @@ class GenerationBackend(ABC):
         """What was published with :attr:`version`."""
         self.load_seconds = 0.0
         """Seconds spent in :meth:`load_weights` so far (generation thread)."""
+        self.keep_versions = False
+        """Keep every published version that a later batch may still be generated with (see :meth:`refresh`'s
+        ``exact``), instead of only the newest: up to ``max_staleness + 1`` staging buffers then."""
+        self._template = staging
+        self._free_buffers = [staging]
+        self._published: dict[int, tuple[dict[str, torch.Tensor], Any]] = {}
         self._staging_version = -1
-        self._staging_info: Any = None
         self._lock = threading.Lock()
 
     # ---- main thread ---------------------------------------------------------------------------------------------
     @torch.no_grad()
     def publish(self, module: nn.Module, version: int, info: Any = None) -> float:
-        """Copy ``module``'s trainable weights into the staging buffer as ``version``, with ``info`` (what else
+        """Copy ``module``'s trainable weights into a staging buffer as ``version``, with ``info`` (what else
         describes this version, e.g. a snapshot of the trainer state), loaded with them. Returns seconds."""
         start = time.perf_counter()
         params = dict(module.named_parameters())
         with self._gather([params[name] for name in self.trainable_names]), self._lock:
+            if not self.keep_versions:
+                self._drop_versions(lambda v: True)  # one buffer, overwritten by each version
+            elif version in self._published:
+                self._drop_versions(lambda v: v == version)
+            buffers = self._free_buffers.pop() if self._free_buffers else self._new_buffers()
             for name in self.trainable_names:
-                self._staging[name].copy_(params[name].detach(), non_blocking=True)
-            if self._staging and next(iter(self._staging.values())).device.type == "cuda":
+                buffers[name].copy_(params[name].detach(), non_blocking=True)
+            if buffers and next(iter(buffers.values())).device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
+            self._published[version] = (buffers, info)
             self._staging_version = version
-            self._staging_info = info
         return time.perf_counter() - start
 
     def reset(self) -> None:
@@ -100,29 +109,80 @@ class GenerationBackend(ABC):
         with self._lock:
             self.version = -1
             self._staging_version = -1
+            self._drop_versions(lambda v: True)
 
     @property
     def published_version(self) -> int:
         with self._lock:
             return self._staging_version
 
+    @property
+    def kept_versions(self) -> list[int]:
+        """The published versions held in staging buffers now."""
+        with self._lock:
+            return sorted(self._published)
+
     def staging_tensors(self) -> list[torch.Tensor]:
-        """The staging buffers that :meth:`publish` fills (one per trainable parameter), e.g. to measure memory."""
-        return list(self._staging.values())
+        """One set of staging buffers (one per trainable parameter) that :meth:`publish` fills, e.g. to measure
+        memory; with :attr:`keep_versions` there can be several."""
+        with self._lock:
+            buffers = self._published[max(self._published)][0] if self._published else self._template
+        return list(buffers.values())
+
+    def _new_buffers(self) -> dict[str, torch.Tensor]:
+        return {name: torch.empty_like(tensor) for name, tensor in self._template.items()}
+
+    def _drop_versions(self, which) -> None:
+        for version in [v for v in self._published if which(v)]:
+            self._free_buffers.append(self._published.pop(version)[0])
 
     # ---- generation thread ---------------------------------------------------------------------------------------
     @torch.no_grad()
-    def refresh(self) -> bool:
-        """Load the latest published weights if they are newer. Returns whether it did."""
+    def refresh(self, exact: int | None = None) -> bool:
+        """Load the newest published weights if they are newer than the loaded ones, or (``exact``) exactly version
+        ``exact``, which must have been published and kept (:attr:`keep_versions`). Returns whether it loaded."""
         with self._lock:
-            if self._staging_version <= self.version:
+            target = self._staging_version if exact is None else exact
+            if target == self.version or (exact is None and target < self.version) or target < 0:
                 return False
+            if target not in self._published:
+                raise RuntimeError(
+                    f"Weight version {target} is not held any more (kept: {sorted(self._published)}); it is kept only "
+                    "with keep_versions=True and until a newer version has been loaded."
+                )
+            buffers, info = self._published[target]
             start = time.perf_counter()
-            self.load_weights(self._staging, self._staging_version)
+            self.load_weights(buffers, target)
             self.load_seconds += time.perf_counter() - start
-            self.version = self._staging_version
-            self.info = self._staging_info
+            self.version = target
+            self.info = info
         return True
+
+    def release_versions_before(self, version: int) -> None:
+        """Drop the kept versions older than ``version`` (no batch still to be generated or trained needs them)."""
+        with self._lock:
+            self._drop_versions(lambda v: v < version and v != self._staging_version)
+
+    def kept_weights(self, before: int) -> dict[int, tuple[dict[str, torch.Tensor], Any]]:
+        """Copies of the kept versions older than ``before`` with what was published with them (for a checkpoint)."""
+        with self._lock:
+            return {
+                v: ({name: t.detach().to("cpu", copy=True) for name, t in buffers.items()}, info)
+                for v, (buffers, info) in self._published.items()
+                if v < before
+            }
+
+    @torch.no_grad()
+    def restore_weights(self, version: int, weights: dict[str, torch.Tensor], info: Any = None) -> None:
+        """Publish ``weights`` (from :meth:`kept_weights` of a checkpoint) as ``version`` again, without a module."""
+        with self._lock:
+            if version in self._published:
+                self._drop_versions(lambda v: v == version)
+            buffers = self._free_buffers.pop() if self._free_buffers else self._new_buffers()
+            for name in self.trainable_names:
+                buffers[name].copy_(weights[name])
+            self._published[version] = (buffers, info)
+            self._staging_version = max(self._staging_version, version)
 
     @abstractmethod
     def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:

@@ -101,6 +101,9 @@ class GenerationEngine:
         queue_size: bound of the sample queue.
         asynchronous: run the loop in a thread (``True``) or produce each batch in ``get`` (``False``).
         num_threads: CPU intra-op threads for the generation thread.
+        exact_versions: generate batch ``i`` with exactly version ``min_version(i)`` (the backend keeps the published
+            versions a later batch may still need) instead of the newest one: which weights generate a batch then no
+            longer depends on timing.
         poll_interval: seconds between health checks while waiting.
     """
 
@@ -115,6 +118,7 @@ class GenerationEngine:
         asynchronous: bool = True,
         num_threads: int | None = None,
         poll_interval: float = 0.1,
+        exact_versions: bool = False,
     ):
         self.backend = backend
         self.prompt_batches = prompt_batches
@@ -125,6 +129,8 @@ class GenerationEngine:
         self.asynchronous = asynchronous
         self.num_threads = num_threads
         self.poll_interval = poll_interval
+        self.exact_versions = exact_versions
+        backend.keep_versions = exact_versions
         self.stop_event = threading.Event()
         self._version_cond = threading.Condition()
         self._trainer_version = -1
@@ -140,9 +146,13 @@ class GenerationEngine:
         """Batches generated with older weights than ``min_version`` asked for, because the trainer needed them."""
 
     # ---- main thread -------------------------------------------------------------------------------------------
-    def start(self, module: torch.nn.Module, version: int, info: Any = None) -> None:
-        """Publish the starting weights and, if asynchronous, start the generation thread."""
+    def start(self, module: torch.nn.Module, version: int, info: Any = None, earlier_versions=None) -> None:
+        """Publish the starting weights and, if asynchronous, start the generation thread. ``earlier_versions``
+        (``{version: (weights, info)}``, from a checkpoint) are published again first, for batches still to be
+        generated with them."""
         self.backend.reset()
+        for earlier, (weights, earlier_info) in sorted((earlier_versions or {}).items()):
+            self.backend.restore_weights(earlier, weights, earlier_info)
         self.publish(module, version, info)
         if self.asynchronous and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="a3po-generation", daemon=True)
@@ -150,7 +160,9 @@ class GenerationEngine:
 
     def publish(self, module: torch.nn.Module, version: int, info: Any = None) -> float:
         """Publish the trainer's weights as ``version`` (with ``info``) and wake the generator. Returns seconds."""
-        seconds = self.backend.publish(module, version, info)
+        seconds = 0.0
+        if not (self.exact_versions and self.produced >= self.num_batches):  # kept versions nobody will load: skip
+            seconds = self.backend.publish(module, version, info)
         with self._version_cond:
             self._trainer_version = version
             self._version_cond.notify_all()
@@ -182,6 +194,10 @@ class GenerationEngine:
         if batch.index != self.consumed:
             raise RuntimeError(f"Generation batches out of order: expected {self.consumed}, got {batch.index}.")
         self.consumed += 1
+        if self.exact_versions:
+            # versions older than this batch's: no batch still to be trained (or regenerated after a resume from a
+            # checkpoint taken while this one trains) is generated with them
+            self.backend.release_versions_before(self.min_version(batch.index))
         return batch, time.perf_counter() - start
 
     def stop(self, timeout: float = 30.0) -> bool:
@@ -212,7 +228,8 @@ class GenerationEngine:
     def _should_stop(self) -> bool:
         return self.stop_event.is_set()
 
-    def _wait_for_version(self, needed: int, index: int) -> float:
+    def _wait_for_version(self, needed: int, index: int) -> tuple[float, bool]:
+        """Wait until the trainer has published version ``needed``; returns the seconds waited and whether it was."""
         start = time.perf_counter()
         with self._version_cond:
             while self._trainer_version < needed:
@@ -220,15 +237,15 @@ class GenerationEngine:
                     raise GenerationStopped
                 if self._requested >= index:  # the trainer is blocked on this batch: it cannot publish newer weights
                     self.schedule_misses += 1
-                    break
+                    return time.perf_counter() - start, False
                 self._version_cond.wait(self.poll_interval)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, True
 
     def _produce(self, index: int) -> ScoredBatch:
         needed = self.min_version(index)
-        waited = self._wait_for_version(needed, index)
+        waited, published = self._wait_for_version(needed, index)
         start = time.perf_counter()
-        self.backend.refresh()
+        self.backend.refresh(exact=needed if self.exact_versions and published else None)
         loaded = time.perf_counter() - start
         version = self.backend.version
         rows = next(self.prompt_batches)
