@@ -1,0 +1,109 @@
+"""The proximal log-probs micro-benchmark: one loglinear interpolation vs one recompute forward on a (B, T) batch."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+
+from .machine_load import LoadMeter, wait_for_quiet
+from .trainers import arithmetic_dataset, load_model_and_tokenizer, reward_functions
+
+
+def run_microbench(config, common) -> dict:
+    """Median seconds of one loglinear proximal computation vs one recompute forward, on the same (B, T) batch."""
+    import statistics as stats
+
+    import torch
+
+    from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer, approximate_proximal_logps
+
+    cuda = common["device"] == "cuda"
+    model, tokenizer, model_name = load_model_and_tokenizer(common)
+    dataset = arithmetic_dataset(common)
+    with tempfile.TemporaryDirectory(prefix="a3po-compare-") as output_dir:
+        args = AsyncA3POConfig(
+            output_dir=output_dir,
+            per_device_train_batch_size=common["batch_size"],
+            num_generations=common["num_generations"],
+            max_completion_length=common["max_completion_length"],
+            max_steps=1,
+            report_to="none",
+            save_strategy="no",
+            bf16=common["bf16"],
+            use_cpu=not cuda,
+            prox_logp_method="recompute",
+        )
+        trainer = AsyncA3POTrainer(
+            model=model,
+            reward_funcs=reward_functions(common),
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
+        trainer.model.train()  # as in training (the recompute forward runs while the model is in train mode)
+        device = trainer.accelerator.device
+        batch, length = common["batch_size"], common["max_completion_length"]
+        prompt = tokenizer.apply_chat_template(
+            dataset[0]["prompt"], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        generator = torch.Generator().manual_seed(0)
+        vocab = min(len(tokenizer), trainer.model.config.vocab_size)
+        completion = torch.randint(0, vocab, (batch, length), generator=generator)
+        input_ids = torch.cat([torch.tensor(prompt).expand(batch, -1), completion], dim=1).to(device)
+        attention_mask = torch.ones_like(input_ids)
+        behavior = (-torch.rand(batch, length, generator=generator) * 5).to(device)
+        current = (-torch.rand(batch, length, generator=generator) * 5).to(device)
+        staleness = torch.full((batch,), 2, dtype=torch.long, device=device)  # w = 1/2: a real interpolation
+
+        def sync():
+            if cuda:
+                torch.cuda.synchronize(device)
+
+        def recompute():
+            with torch.no_grad():
+                trainer._get_per_token_logps_and_entropies(
+                    trainer.model, input_ids, attention_mask, length, batch_size=batch
+                )
+            sync()
+
+        def loglinear():
+            approximate_proximal_logps(behavior, current, staleness)
+            sync()
+
+        def median_time(fn, reps, warmup):
+            for _ in range(warmup):
+                fn()
+            times = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            return stats.median(times), times
+
+        results = []
+        quiet = wait_for_quiet(common["quiet_wait"], common["quiet_threshold"])
+        for threads in config["thread_counts"]:
+            if threads is not None:
+                torch.set_num_threads(threads)
+            meter = LoadMeter().start()
+            recompute_s, recompute_all = median_time(recompute, config["reps"], warmup=2)
+            loglinear_s, _ = median_time(loglinear, max(200, config["reps"]), warmup=20)
+            results.append(
+                {
+                    "threads": threads,
+                    "recompute_seconds": recompute_s,
+                    "recompute_seconds_all": recompute_all,
+                    "loglinear_seconds": loglinear_s,
+                    "ratio": recompute_s / loglinear_s if loglinear_s > 0 else None,
+                    **meter.stop(),
+                }
+            )
+    return {
+        "model_name": model_name,
+        "batch_shape": [batch, length],
+        "prompt_tokens": len(prompt),
+        "sequence_tokens": int(input_ids.size(1)),
+        "staleness": 2,
+        "by_threads": results,
+        **quiet,
+    }

@@ -1,0 +1,188 @@
+"""The report (written as ``<out>/<name>.json``): summaries, aggregates, analysis and raw records of the runs, the
+machine and software, py-spy profile summaries, and ``--merge-from`` (reusing a previous report's runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+from collections import defaultdict
+
+from .analysis import evaluate_targets, pipeline_analysis, reward_comparison
+from .metrics import aggregate, summarize_run
+from .paths import COMPARE_SCRIPT, ROOT
+from .plan import config_names
+
+
+def machine_info() -> dict:
+    info = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "cpu_model": None, "memory_gib": None}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu_model"] = line.split(":", 1)[1].strip()
+                    break
+        with open("/proc/meminfo") as f:
+            info["memory_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return info
+
+
+def profile_summary(path: str) -> dict | None:
+    """Share of py-spy samples per thread and activity (the generation thread is the one running generation.py)."""
+    if not path or not os.path.exists(path) or path.endswith(".pstats"):
+        return None
+    rules = [  # (label, substrings that must all be in the stack), first match wins
+        ("wait: generator waits for staleness bound", ("_wait_for_version",)),
+        ("wait: queue full", ("put (a3po_trl/generation.py",)),
+        ("wait: trainer waits for samples", ("get (a3po_trl/generation.py",)),
+        ("recompute forward", ("_take_scored_batch", "_get_per_token_logps_and_entropies")),
+        ("batch intake (move, gather, metrics)", ("_take_scored_batch",)),
+        ("weight refresh (generator copy)", ("refresh (a3po_trl/generation.py",)),
+        ("weight publish", ("_publish_weights",)),
+        ("generate", ("generate (",)),
+        ("behavior logps", ("per_token_logps_fused",)),
+        ("rewards", ("score_completions",)),
+        ("rewards", ("_calculate_rewards",)),
+        ("backward", ("backward (",)),
+        ("optimizer step", ("optimizer",)),
+        ("loss forward", ("compute_loss",)),
+    ]
+    threads = defaultdict(lambda: defaultdict(int))
+    with open(path) as f:
+        for line in f:
+            stack, _, count = line.rstrip("\n").rpartition(" ")
+            if not count.isdigit():
+                continue
+            if "generation.py" in stack and "_run (" in stack:
+                thread = "generation thread"
+            elif "_inner_training_loop" in stack:
+                thread = "training (main) thread"
+            else:
+                thread = "outside training (imports, model loading, other threads)"
+            category = next((label for label, needles in rules if all(n in stack for n in needles)), "other")
+            threads[thread][category] += int(count)
+    out = {}
+    for thread, counts in threads.items():
+        total = sum(counts.values())
+        out[thread] = {
+            "samples": total,
+            "seconds_at_20hz": total / 20,
+            "share": {k: round(v / total, 3) for k, v in sorted(counts.items(), key=lambda kv: -kv[1])},
+        }
+    return out
+
+
+def build_report(records, options, common, started, finished) -> dict:
+    summaries, errors, microbench = [], [], None
+    env = next((r["env"] for r in records if r.get("env")), {})
+    model_name = None
+    for record in records:
+        if "error" in record:
+            errors.append({"run_id": record["config"]["run_id"], "error": record["error"]})
+            continue
+        model_name = model_name or record["result"].get("model_name")
+        if record["config"]["kind"] == "microbench":
+            microbench = {**record["result"], "peak_rss_mb": record.get("peak_rss_mb")}
+            continue
+        summary = summarize_run(record, common, options.final_window)
+        if record.get("profile_file"):
+            summary["profile_file"] = os.path.relpath(record["profile_file"], options.out)
+            summary["profile"] = profile_summary(record["profile_file"])
+        summary["discarded_attempts"] = record.get("discarded_attempts", [])
+        summary["reused_from"] = record.get("reused_from")
+        summaries.append(summary)
+    configs = aggregate(summaries)
+    cpu = options.device == "cpu"
+    report = {
+        "meta": {
+            "command": "python "
+            + " ".join(shlex.quote(a) for a in [os.path.relpath(COMPARE_SCRIPT, ROOT), *sys.argv[1:]]),
+            "started": started,
+            "finished": finished,
+            "machine": machine_info(),
+            "software": env,
+            "model": options.model,
+            "model_key": common["model_key"],
+            "model_name": model_name,
+            "device": options.device,
+            "bf16": common["bf16"],
+            "batch": {
+                "per_device_train_batch_size": options.batch_size,
+                "num_generations": options.num_generations,
+                "max_completion_length": options.max_completion_length,
+                "prompts_per_step": options.batch_size // options.num_generations,
+                "steps_per_generation": 1,
+            },
+            "steps": options.steps,
+            "warmup_steps": options.warmup_steps,
+            "final_window": options.final_window,
+            "learning_rate": options.learning_rate,
+            "seeds": sorted({r["config"]["seed"] for r in records}),
+            "extra_seeds_for": options.extra_seeds_for,
+            "staleness": options.staleness,
+            "threads": {
+                "trl": (options.sync_threads or os.cpu_count()) if cpu else None,
+                "a3po_training": options.training_threads if cpu else None,
+                "a3po_generation": options.generation_threads if cpu else None,
+                "pieces": options.training_threads if cpu else None,
+            },
+            "isolation": options.isolation,
+            "omp_wait_policy": env.get("env", {}).get("OMP_WAIT_POLICY"),
+            "data": f"a3po_trl.tasks.generate_arithmetic_problems({options.num_prompts}, {options.difficulty!r}, "
+            "seed=0)" + (", no system prompt" if options.model == "tiny" else ""),
+            "rewards": ["correctness_reward", "format_reward"]
+            + (["tiny.digit_reward"] if options.model == "tiny" else []),
+            "quick": options.quick,
+        },
+        "configs": configs,
+        "runs": summaries,
+        "microbench": microbench,
+        "errors": errors,
+    }
+    report["pipeline"] = pipeline_analysis(configs, options.staleness)
+    report["reward_comparison"] = reward_comparison(configs, options.staleness)
+    baselines = [c for c in configs.values() if c["kind"] == "trl" and c["step_time_median"]]
+    trl = min(baselines, key=lambda c: c["step_time_median"]) if baselines else None
+    report["baseline"] = trl["name"] if trl else None
+    report["speedup_vs_trl"] = {
+        name: trl["step_time_median"] / c["step_time_median"]
+        for name, c in configs.items()
+        if trl and c["step_time_median"]
+    }
+    report["targets"] = evaluate_targets(report)
+    report["records"] = [{k: v for k, v in r.items() if k != "env"} for r in records]  # raw, for --merge-from
+    return report
+
+
+MERGE_KEYS = ("model", "device", "bf16", "steps", "warmup_steps", "batch", "learning_rate", "staleness", "threads")
+
+
+def merge_previous(records, plan, options) -> tuple[list[dict], list[str]]:
+    """Add the runs of ``options.merge_from`` that this invocation did not run, in plan order."""
+    with open(options.merge_from) as f:
+        previous = json.load(f)
+    ran = {r["config"]["run_id"] for r in records}
+    reused = []
+    for record in previous.get("records", []):
+        if record["config"]["run_id"] not in ran and "error" not in record:
+            reused.append({**record, "reused_from": os.path.basename(options.merge_from)})
+    order = {name: i for i, name in enumerate(config_names(options.staleness, single_thread_trl=True))}
+    merged = sorted(records + reused, key=lambda r: (r["config"]["seed"], order.get(r["config"]["name"], 99)))
+    return merged, [previous["meta"]["command"]]
+
+
+def check_mergeable(previous_meta: dict, report_meta: dict) -> None:
+    different = [k for k in MERGE_KEYS if previous_meta.get(k) != report_meta.get(k)]
+    if different:
+        raise SystemExit(f"--merge-from: the previous report differs in {different}; rerun with the same settings.")
+
+
+def ordered_configs(configs):
+    """The aggregated configurations in plan order: the order of the markdown tables and of the plot."""
+    staleness = sorted({c["max_staleness"] or 0 for c in configs.values()})
+    order = {name: i for i, name in enumerate(config_names(staleness, single_thread_trl=True))}
+    return sorted(configs.values(), key=lambda c: order.get(c["name"], 99))

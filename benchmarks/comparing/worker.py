@@ -1,0 +1,151 @@
+"""The worker subprocess: runs the configurations of a spec file one after another and writes their raw records.
+
+Each record holds the configuration, the software versions, the result (or the error) and the peak memory. The
+records file is rewritten after every configuration, so a crash keeps what finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+from .machine_load import LoadMeter, wait_for_quiet
+from .metrics import per_step_series
+from .microbench import run_microbench
+from .paths import ROOT, TESTS
+from .trainers import make_trainer, step_timer_callback
+
+
+def _env_info() -> dict:
+    import torch
+    import transformers
+    import trl
+
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": trl.__version__,
+        "torch_num_threads_default": torch.get_num_threads(),
+        "torch_num_interop_threads": torch.get_num_interop_threads(),
+        "parallel_backend": "OpenMP" if "OpenMP" in torch.__config__.parallel_info() else "other",
+        "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY")},
+    }
+    if torch.cuda.is_available():
+        info["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_mb(isolation: str) -> tuple[float, str]:
+    if isolation == "shared":
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) / 1024, "VmHWM after clear_refs reset (shared process)"
+        except OSError:
+            pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "ru_maxrss of a fresh subprocess"
+
+
+def run_training_config(config, common) -> dict:
+    import gc
+
+    import torch
+
+    cuda = common["device"] == "cuda"
+    threads = config.get("threads", {})
+    if not cuda and threads.get("process"):
+        torch.set_num_threads(threads["process"])
+    with tempfile.TemporaryDirectory(prefix="a3po-compare-") as output_dir:
+        timer = step_timer_callback()
+        trainer, model_name = make_trainer(config, common, output_dir, callbacks=[timer])
+        if cuda:
+            for index in range(torch.cuda.device_count()):
+                torch.cuda.reset_peak_memory_stats(index)
+        quiet = wait_for_quiet(common["quiet_wait"], common["quiet_threshold"])
+        meter = LoadMeter().start()
+        start = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - start
+        load = meter.stop()
+        series = per_step_series(trainer.state.log_history, common["steps"])
+        engine = getattr(trainer, "last_generation_engine", None)
+        result = {
+            "model_name": model_name,
+            "train_seconds": wall,
+            "step_end_seconds": [t - timer.begin for t in timer.step_ends],
+            "series": series,
+            "global_step": trainer.state.global_step,
+            "torch_threads_after": torch.get_num_threads(),
+            **quiet,
+            **load,
+            "loadavg_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        }
+        if engine is not None:
+            result["engine"] = {
+                "produced": engine.produced,
+                "consumed": engine.consumed,
+                "num_batches": engine.num_batches,
+                "queue_bound": engine.queue.maxsize,
+                "max_queue_depth": engine.queue.max_depth_seen,
+            }
+        if cuda:
+            result["cuda_peak_allocated_mb"] = {
+                f"cuda:{i}": torch.cuda.max_memory_allocated(i) / 2**20 for i in range(torch.cuda.device_count())
+            }
+        del trainer, engine
+        gc.collect()
+    return result
+
+
+def run_worker(spec_path: str, out_path: str) -> None:
+    sys.path[:0] = [ROOT, TESTS]
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    with open(spec_path) as f:
+        spec = json.load(f)
+    common = spec["common"]
+    results = []
+    env = None
+    for config in spec["configs"]:
+        print(f"[compare worker] {config['run_id']}", flush=True)
+        if env is None:
+            env = _env_info()
+        if common["isolation"] == "shared":
+            _reset_peak_rss()
+        start = time.perf_counter()
+        record = {"config": config, "env": env}
+        try:
+            if config["kind"] == "microbench":
+                record["result"] = run_microbench(config, common)
+            else:
+                record["result"] = run_training_config(config, common)
+        except Exception as error:  # noqa: BLE001 - reported, the other configurations still run
+            import traceback
+
+            record["error"] = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
+        rss, method = _peak_rss_mb(common["isolation"])
+        record["peak_rss_mb"], record["peak_rss_method"] = round(rss, 1), method
+        record["worker_seconds"] = time.perf_counter() - start
+        results.append(record)
+        with open(out_path, "w") as f:  # after every configuration, so a crash keeps what finished
+            json.dump(results, f)
