@@ -127,6 +127,9 @@ def config_for(name: str, seed: int, options) -> dict:
             method=method,
             max_staleness=int(staleness),
             async_generation=True,
+            # every batch from exactly its scheduled version: a comparison at a staleness compares the method, not
+            # the scheduler's timing (and a rerun reproduces the run)
+            reproducible_generation=True,
             threads={
                 "process": sync_threads if cpu else None,
                 "training": options.training_threads if cpu else None,

@@ -87,6 +87,7 @@ def _training_args(config, common, output_dir):
         prox_logp_method=config["method"],
         max_staleness=config["max_staleness"],
         async_generation=config["async_generation"],
+        reproducible_generation=config.get("reproducible_generation", False),
         generation_device=generation_device,
         generation_num_threads=threads.get("generation"),
         training_num_threads=threads.get("training"),
