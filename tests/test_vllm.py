@@ -207,7 +207,7 @@ def _start_server(model_dir, port, log_path):
         trl, "vllm-serve", "--model", str(model_dir), "--dtype", "float32", "--enforce_eager", "true",
         "--host", "127.0.0.1", "--port", str(port), "--max_model_len", "256", "--skip-tokenizer-init",
         "--worker-extension-cls", "a3po_trl.generation.vllm_worker.A3POWorkerExtension",
-        "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
+        "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--max-cpu-loras", "8",
     ]  # fmt: skip
     env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "OMP_NUM_THREADS": "1"}
     log = open(log_path, "w")
@@ -306,6 +306,37 @@ def test_training_against_the_server_with_lora_keeps_the_staleness_bound(tokeniz
     mismatch = logged(trainer, "a3po/behavior_mismatch_max")
     assert mismatch and max(mismatch) < LOGP_TOLERANCE
     trainer._backend.close()
+
+
+@pytest.mark.slow
+def test_two_training_processes_share_one_server_with_their_own_adapters(tmp_path, vllm_server):
+    """DDP on two CPU processes (gloo), one server: each process loads its own adapter per version."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(__file__))
+    config = tmp_path / "ddp.yaml"
+    config.write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_processes: 2\ngpu_ids: all\n"
+        f"mixed_precision: 'no'\nnum_machines: 1\nmachine_rank: 0\nmain_process_port: {_free_port()}\n"
+    )
+    script = os.path.join(root, "tests", "scripts", "distributed_vllm_server.py")
+    out = tmp_path / "out"
+    out.mkdir()
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), script, str(out),
+        vllm_server["url"], str(vllm_server["model"]),
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=root)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert [r["world_size"] for r in reports] == [2, 2]
+    assert all(r["global_step"] == 3 and r["batches_consumed"] == 3 for r in reports)
+    assert all(r["max_staleness_seen"] <= 1 for r in reports)
+    assert reports[0]["adapter"] != reports[1]["adapter"]  # each process its own adapter
+    assert all(r["mismatch_max"] and max(r["mismatch_max"]) < LOGP_TOLERANCE for r in reports)
 
 
 def test_server_full_weight_versions_reload_and_their_logps_match_the_trainer(tokenizer, tmp_path, vllm_server):

@@ -120,17 +120,30 @@ def base_model_path(trainer) -> str:
     return directory
 
 
+def _serves_as_adapter(module) -> bool:
+    from .vllm_common import unsupported_lora_reason
+
+    if not hasattr(module, "peft_config"):
+        return False
+    adapter = module.active_adapter
+    adapter = adapter[0] if isinstance(adapter, list) else adapter
+    return unsupported_lora_reason(module.peft_config[adapter]) is None
+
+
 def build_vllm_backend(trainer):
     """The vLLM backend for ``trainer`` (``use_vllm=True``), colocate or server."""
     args = trainer.args
     module = trainer._unwrapped_model()
     device = torch.device(args.generation_device) if args.generation_device else trainer.accelerator.device
-    if trainer.accelerator.num_processes > 1:
+    processes = trainer.accelerator.num_processes
+    if processes > 1 and not (args.vllm_mode == "server" and _serves_as_adapter(module)):
         raise NotImplementedError(
-            f"use_vllm=True with {trainer.accelerator.num_processes} training processes is not supported yet: each "
-            "process's generation thread would drive vLLM, whose in-process engine joins the training process group "
-            "(colocate) and whose server takes weight versions from one process only (server). Train with one process "
-            "and vLLM, or with DDP / DeepSpeed and the default generate backend (use_vllm=False)."
+            f"use_vllm=True with {processes} training processes works with vllm_mode='server' and a LoRA adapter "
+            "only (each process loads its own adapter per version into the server, so no process changes weights "
+            "another one generates with). An in-process engine (colocate) would join the training process group, "
+            "and a full-weight reload on a shared server would change the weights under the other processes' "
+            "requests. Use a LoRA peft_config with a server, one training process, or the default generate backend "
+            "(use_vllm=False) with DDP / DeepSpeed."
         )
     sampling = sampling_settings(trainer)
     gather = trainer._zero3_gather()

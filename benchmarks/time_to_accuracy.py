@@ -1,0 +1,308 @@
+"""Time to accuracy on the main job: TRL's GRPOTrainer against AsyncA3POTrainer (recompute, loglinear) over seeds.
+
+Every configuration trains the demo's task and model (SmolLM2-135M-Instruct, LoRA r=16, the built-in one-step
+problems, the demo's settings of ``examples/train_gsm8k.py``) for the same steps and batch shape, one run per
+(configuration, seed) in its own process; the seed moves the data order and the sampling. Each run records held-out
+greedy accuracy before/after (200 problems), accuracy every ``--eval-every`` steps on a fixed 100-problem subset
+against the training wall-clock (evaluation time left out), and seconds per step. The asynchronous configurations
+generate with ``reproducible_generation=True``.
+
+Runs take ~16 minutes each on 2 CPU cores, so the script is resumable: a finished run is a JSON file under
+``<out>/runs/`` and is skipped next time; ``--max-runs`` bounds one invocation. After the runs it (re)writes
+``<out>/summary.json``, ``<out>/summary.md`` (table: accuracy before/after with spread over seeds and the paired gain,
+s/step, total, and the wall-clock each configuration needed to reach the synchronous baseline's final accuracy on the
+subset) and ``<out>/accuracy_vs_time.png`` (one line per configuration, a band over seeds), saying which runs are
+still missing.
+
+    python benchmarks/time_to_accuracy.py --max-runs 3                    # next 3 missing runs, then the summary
+    python benchmarks/time_to_accuracy.py --summary-only                  # the summary of what is there
+    python benchmarks/time_to_accuracy.py --quick                         # tiny settings, a few minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+CONFIGS = ("trl", "recompute-s2", "loglinear-s1", "loglinear-s2", "loglinear-s4")
+#: The demo's training settings that every configuration shares (``examples/train_gsm8k.py``'s defaults).
+_TRAINING_FIELDS = (
+    "learning_rate",
+    "per_device_train_batch_size",
+    "num_generations",
+    "max_completion_length",
+    "temperature",
+    "reward_weights",
+    "logging_steps",
+    "report_to",
+    "bf16",
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--seeds", default="42,43,44", help="comma list; 42 is the demo's")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--eval-problems", type=int, default=100, help="fixed subset evaluated during training")
+    parser.add_argument("--held-out", type=int, default=200, help="held-out problems before/after")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--out", default=str(HERE / "results" / "time-to-accuracy"))
+    parser.add_argument("--max-runs", type=int, default=None, help="at most this many missing runs now")
+    parser.add_argument("--summary-only", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="4 steps, 8 problems, 16 tokens (a smoke run)")
+    parser.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def _settings(options) -> dict:
+    """The demo's settings (``examples/train_gsm8k.py``'s defaults), shrunk by ``--quick``."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from train_gsm8k import DEMO_SYSTEM_PROMPT, demo_defaults
+
+    defaults = demo_defaults([])
+    training = {k: v for k, v in defaults.items() if k in _TRAINING_FIELDS}
+    training.update(max_steps=options.steps, save_strategy="no", use_cpu=not _cuda())
+    if options.quick:
+        training["max_completion_length"] = 16
+    lora = {k: defaults[k] for k in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")}
+    threads = {k: defaults.get(k) for k in ("generation_num_threads", "training_num_threads")}
+    return {"training": training, "lora": lora, "threads": threads, "system_prompt": DEMO_SYSTEM_PROMPT}
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _data(options, system_prompt):
+    from a3po_trl.tasks import make_math_splits
+
+    train, held_out = make_math_splits(1000, options.held_out, "basic", 0, system_prompt=system_prompt)
+    return train, held_out, held_out.select(range(min(options.eval_problems, len(held_out))))
+
+
+def _run_one(options, name: str, seed: int) -> dict:
+    """One (configuration, seed) run, in this process."""
+    import torch
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer, evaluate_accuracy
+    from a3po_trl.models import resolve_model_path
+    from a3po_trl.rewards import correctness_reward, format_reward
+
+    settings = _settings(options)
+    train, held_out, subset = _data(options, settings["system_prompt"])
+    lora = settings["lora"]
+    peft_config = LoraConfig(
+        r=lora["lora_r"],
+        lora_alpha=lora["lora_alpha"],
+        lora_dropout=lora["lora_dropout"],
+        target_modules=lora["lora_target_modules"],
+        task_type="CAUSAL_LM",
+    )
+    common = dict(output_dir=str(Path(options.out) / "work" / f"{name}@{seed}"), seed=seed, **settings["training"])
+    if name == "trl":
+        args, trainer_class = GRPOConfig(**common), GRPOTrainer
+    else:
+        method, staleness = name.rsplit("-s", 1)
+        args = AsyncA3POConfig(
+            **common,
+            prox_logp_method=method,
+            max_staleness=int(staleness),
+            reproducible_generation=True,
+            **(settings["threads"] if not _cuda() else {}),
+        )
+        trainer_class = AsyncA3POTrainer
+    trainer = trainer_class(
+        model=resolve_model_path(options.model),
+        reward_funcs=[correctness_reward, format_reward],
+        args=args,
+        train_dataset=train,
+        peft_config=peft_config,
+    )
+    max_tokens = settings["training"]["max_completion_length"]
+
+    def accuracy(dataset):
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        with torch.no_grad():
+            return evaluate_accuracy(model, trainer.processing_class, dataset, max_tokens, batch_size=50)
+
+    curve, clock = [], {"eval": 0.0, "start": None}
+
+    class EvaluateEvery(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            clock["start"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step % options.eval_every == 0 or state.global_step == state.max_steps:
+                begin = time.perf_counter()
+                training_seconds = begin - clock["start"] - clock["eval"]  # evaluations so far left out
+                result = accuracy(subset)
+                clock["eval"] += time.perf_counter() - begin
+                curve.append({"step": state.global_step, "seconds": training_seconds, "accuracy": result["accuracy"]})
+                print(f"[tta] {name}@{seed} step {state.global_step}: {result['accuracy']:.1%}", flush=True)
+
+    before = accuracy(held_out)
+    curve.append({"step": 0, "seconds": 0.0, "accuracy": accuracy(subset)["accuracy"]})
+    trainer.add_callback(EvaluateEvery())
+    start = time.perf_counter()
+    trainer.train()
+    total = time.perf_counter() - start - clock["eval"]
+    after = accuracy(held_out)
+    steps = [h["step_time"] for h in trainer.state.log_history if "step_time" in h]
+    return {
+        "config": name,
+        "seed": seed,
+        "steps": options.steps,
+        "before": before["accuracy"],
+        "after": after["accuracy"],
+        "before_correct": before["correct"],
+        "after_correct": after["correct"],
+        "curve": curve,
+        "train_seconds": total,
+        "seconds_per_step": statistics.median(steps) if steps else total / options.steps,
+        "load_average": os.getloadavg(),
+    }
+
+
+def _summarize(options, names, seeds) -> str:
+    sys.path.insert(0, str(ROOT))
+    from a3po_trl.evaluation import paired_accuracy_test
+
+    runs_dir = Path(options.out) / "runs"
+    runs = {}
+    for path in sorted(runs_dir.glob("*.json")):
+        run = json.loads(path.read_text())
+        runs.setdefault(run["config"], []).append(run)
+    missing = [f"{n}@{s}" for n in names for s in seeds if not (runs_dir / f"{n}@{s}.json").exists()]
+    baseline = runs.get("trl", [])
+    target = statistics.fmean(r["curve"][-1]["accuracy"] for r in baseline) if baseline else None
+    rows, summary = [], {}
+    for name in names:
+        done = runs.get(name, [])
+        if not done:
+            continue
+        before = [r["before"] for r in done]
+        after = [r["after"] for r in done]
+        gains = [paired_accuracy_test(r["before_correct"], r["after_correct"])["gain"] for r in done]
+        reach = []
+        for r in done:
+            hits = [p["seconds"] for p in r["curve"] if target is not None and p["accuracy"] >= target]
+            reach.append(hits[0] if hits else None)
+        entry = {
+            "runs": len(done),
+            "before_mean": statistics.fmean(before),
+            "after_mean": statistics.fmean(after),
+            "after_spread": [min(after), max(after)],
+            "gain_mean": statistics.fmean(gains),
+            "seconds_per_step": statistics.fmean(r["seconds_per_step"] for r in done),
+            "train_minutes": statistics.fmean(r["train_seconds"] for r in done) / 60,
+            "minutes_to_baseline_final": [None if t is None else t / 60 for t in reach],
+        }
+        summary[name] = entry
+        reached = [t for t in entry["minutes_to_baseline_final"] if t is not None]
+        reach_text = f"{statistics.fmean(reached):.1f} ({len(reached)}/{len(done)})" if reached else "-"
+        rows.append(
+            f"| {name} | {len(done)} | {entry['before_mean']:.1%} | {entry['after_mean']:.1%} "
+            f"({entry['after_spread'][0]:.1%}-{entry['after_spread'][1]:.1%}) | {entry['gain_mean']:+.1%} | "
+            f"{entry['seconds_per_step']:.1f} | {entry['train_minutes']:.1f} | {reach_text} |"
+        )
+    table = "\n".join(
+        [
+            f"Time to accuracy, {options.steps} steps, seeds {','.join(map(str, seeds))}; baseline final accuracy on "
+            f"the {options.eval_problems}-problem subset: {'-' if target is None else f'{target:.1%}'}.",
+            "",
+            "| configuration | runs | before | after (min-max) | paired gain | s/step | train min | min to baseline |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            *rows,
+            "",
+            f"Missing runs: {', '.join(missing) if missing else 'none'}.",
+        ]
+    )
+    out = Path(options.out)
+    (out / "summary.json").write_text(json.dumps({"target": target, "configs": summary, "missing": missing}, indent=2))
+    (out / "summary.md").write_text(table + "\n")
+    _plot(runs, names, out / "accuracy_vs_time.png")
+    return table
+
+
+def _plot(runs, names, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for name in names:
+        done = runs.get(name, [])
+        if not done:
+            continue
+        steps = sorted({p["step"] for r in done for p in r["curve"]})
+        points = [[p for r in done for p in r["curve"] if p["step"] == s] for s in steps]
+        minutes = [statistics.fmean(p["seconds"] for p in group) / 60 for group in points]
+        accuracy = [[p["accuracy"] for p in group] for group in points]
+        (line,) = axis.plot(
+            minutes, [statistics.fmean(a) for a in accuracy], marker="o", label=f"{name} ({len(done)})"
+        )
+        axis.fill_between(
+            minutes, [min(a) for a in accuracy], [max(a) for a in accuracy], alpha=0.15, color=line.get_color()
+        )
+    axis.set_xlabel("training wall-clock (minutes, evaluation excluded)")
+    axis.set_ylabel("greedy accuracy, fixed held-out subset")
+    axis.legend()
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main() -> None:
+    options = _parser().parse_args()
+    if options.quick:
+        options.steps, options.eval_every, options.eval_problems, options.held_out = 4, 2, 8, 8
+    if options.run_one:
+        name, seed = options.run_one.rsplit("@", 1)
+        print("A3PO_RESULT " + json.dumps(_run_one(options, name, int(seed))), flush=True)
+        return
+    names = [n for n in options.configs.split(",") if n]
+    seeds = [int(s) for s in options.seeds.split(",") if s]
+    runs_dir = Path(options.out) / "runs"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    started = 0
+    for name in names:
+        for seed in seeds:
+            path = runs_dir / f"{name}@{seed}.json"
+            if path.exists() or options.summary_only:
+                continue
+            if options.max_runs is not None and started >= options.max_runs:
+                break
+            started += 1
+            print(f"[tta] {name}@{seed} (load average {os.getloadavg()[0]:.2f}) ...", flush=True)
+            command = [sys.executable, __file__, *sys.argv[1:], "--run-one", f"{name}@{seed}"]
+            env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+            out = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+            lines = [line for line in out.stdout.splitlines() if line.startswith("A3PO_RESULT ")]
+            if out.returncode or not lines:
+                raise SystemExit(f"{name}@{seed} failed ({out.returncode}):\n{out.stderr[-4000:]}")
+            path.write_text(lines[-1].removeprefix("A3PO_RESULT ") + "\n")
+            print(f"[tta] {name}@{seed} done", flush=True)
+    print(_summarize(options, names, seeds))
+
+
+if __name__ == "__main__":
+    main()

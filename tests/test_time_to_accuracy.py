@@ -1,0 +1,34 @@
+"""benchmarks/time_to_accuracy.py: a quick run of two configurations writes runs, a summary and a plot, and resumes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "time_to_accuracy.py")
+
+
+@pytest.mark.slow
+def test_quick_run_summarizes_and_skips_finished_runs(tmp_path):
+    out = tmp_path / "tta"
+    command = [sys.executable, SCRIPT, "--quick", "--configs", "trl,loglinear-s1", "--seeds", "1", "--out", str(out)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    subprocess.run(command, check=True, timeout=1200, env=env)
+    runs = {path.stem: json.loads(path.read_text()) for path in (out / "runs").glob("*.json")}
+    assert set(runs) == {"trl@1", "loglinear-s1@1"}
+    for run in runs.values():
+        assert [point["step"] for point in run["curve"]] == [0, 2, 4]
+        assert run["curve"][0]["seconds"] == 0 and run["curve"][-1]["seconds"] > run["curve"][1]["seconds"] > 0
+        assert 0 <= run["before"] <= 1 and 0 <= run["after"] <= 1 and len(run["after_correct"]) == 8
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["configs"]) == {"trl", "loglinear-s1"} and summary["missing"] == []
+    assert (out / "accuracy_vs_time.png").stat().st_size > 0
+    # a second invocation finds every run done and only rewrites the summary; a wider plan names what is missing
+    again = subprocess.run(command, check=True, timeout=600, env=env, capture_output=True, text=True)
+    assert "[tta] trl@1 (" not in again.stdout and "[tta] loglinear-s1@1 (" not in again.stdout
+    wider = [*command[:4], "trl,loglinear-s1,loglinear-s2", *command[5:], "--summary-only"]
+    subprocess.run(wider, check=True, timeout=600, env=env, capture_output=True, text=True)
+    assert "Missing runs: loglinear-s2@1." in (out / "summary.md").read_text()
