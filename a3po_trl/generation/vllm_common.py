@@ -62,24 +62,29 @@ def row_seeds(seed: int | None, count: int) -> list[int | None]:
     return [(seed + i) % (2**63 - 1) for i in range(count)]
 
 
+def completions_from_token_logprobs(rows, stop_token_ids: list[int]) -> GeneratedCompletions:
+    """``rows`` of ``(token_ids, sampled-token log-probs)``, each cut after its first stop token."""
+    stops = set(stop_token_ids)
+    completion_ids, logps = [], []
+    for ids, values in rows:
+        ids, values = list(ids), list(values)
+        end = next((i + 1 for i, token in enumerate(ids) if token in stops), len(ids))
+        completion_ids.append(ids[:end])
+        logps.append(torch.tensor(values[:end], dtype=torch.float32))
+    return GeneratedCompletions(completion_ids=completion_ids, logps=logps)
+
+
 def completions_from_outputs(outputs, stop_token_ids: list[int]) -> GeneratedCompletions:
     """Token ids and sampled-token log-probs from vLLM ``RequestOutput``s (one completion each), cut after the first
     stop token."""
-    stops = set(stop_token_ids)
-    completion_ids, logps = [], []
+    rows = []
     for output in outputs:
         completion = output.outputs[0]
-        ids = list(completion.token_ids)
         if completion.logprobs is None:
             raise RuntimeError("vLLM returned no log-probs; the request must ask for logprobs=0.")
-        values = [position[token].logprob for position, token in zip(completion.logprobs, ids)]
-        for i, token in enumerate(ids):
-            if token in stops:
-                ids, values = ids[: i + 1], values[: i + 1]
-                break
-        completion_ids.append(ids)
-        logps.append(torch.tensor(values, dtype=torch.float32))
-    return GeneratedCompletions(completion_ids=completion_ids, logps=logps)
+        ids = list(completion.token_ids)
+        rows.append((ids, [position[token].logprob for position, token in zip(completion.logprobs, ids)]))
+    return completions_from_token_logprobs(rows, stop_token_ids)
 
 
 def checkpoint_name(name: str) -> str:

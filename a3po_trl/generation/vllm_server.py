@@ -30,8 +30,14 @@ from itertools import groupby
 import torch
 from torch import nn
 
-from .backend import GeneratedCompletions, GenerationBackend, full_shape
-from .vllm_common import VLLMSamplingSettings, checkpoint_name, unsupported_lora_reason, write_lora_adapter
+from .backend import GenerationBackend, full_shape
+from .vllm_common import (
+    VLLMSamplingSettings,
+    checkpoint_name,
+    completions_from_token_logprobs,
+    unsupported_lora_reason,
+    write_lora_adapter,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -230,18 +236,8 @@ class VLLMServerBackend(GenerationBackend):
         }
         choices = self._post("/v1/completions", self.request_timeout, json=payload)["choices"]
         choices = sorted(choices, key=lambda choice: choice["index"])  # prompt-major: n per prompt
-        completion_ids, logps = [], []
-        stops = set(s.stop_token_ids)
-        for choice in choices:
-            ids = list(choice["token_ids"])
-            values = [float(v) for v in choice["logprobs"]["token_logprobs"]]
-            for i, token in enumerate(ids):
-                if token in stops:
-                    ids, values = ids[: i + 1], values[: i + 1]
-                    break
-            completion_ids.append(ids)
-            logps.append(torch.tensor(values, dtype=torch.float32))
-        return GeneratedCompletions(completion_ids=completion_ids, logps=logps)
+        rows = [(c["token_ids"], [float(v) for v in c["logprobs"]["token_logprobs"]]) for c in choices]
+        return completions_from_token_logprobs(rows, s.stop_token_ids)
 
     def close(self) -> None:
         if self._closed:
