@@ -55,9 +55,6 @@ class GenerationBackend(ABC):
         device: where generation runs.
     """
 
-    name = "backend"
-    """Short name used in logs and metrics."""
-
     def __init__(
         self,
         trainable_names: list[str],
@@ -66,14 +63,12 @@ class GenerationBackend(ABC):
         device: torch.device,
     ):
         self.trainable_names = list(trainable_names)
-        self._gather = gather or _no_gather
+        self._gather = gather or contextlib.nullcontext
         self.device = torch.device(device)
         self.version = -1
         """Version of the weights generation uses now (-1 before the first refresh)."""
         self.info: Any = None
         """What was published with :attr:`version`."""
-        self.load_seconds = 0.0
-        """Seconds spent in :meth:`load_weights` so far (generation thread)."""
         self.keep_versions = False
         """Keep every published version that a later batch may still be generated with (see :meth:`refresh`'s
         ``exact``), instead of only the newest: up to ``max_staleness + 1`` staging buffers then."""
@@ -93,15 +88,7 @@ class GenerationBackend(ABC):
         with self._gather([params[name] for name in self.trainable_names]), self._lock:
             if not self.keep_versions:
                 self._drop_versions(lambda v: True)  # one buffer, overwritten by each version
-            elif version in self._published:
-                self._drop_versions(lambda v: v == version)
-            buffers = self._free_buffers.pop() if self._free_buffers else self._new_buffers()
-            for name in self.trainable_names:
-                buffers[name].copy_(params[name].detach(), non_blocking=True)
-            if buffers and next(iter(buffers.values())).device.type == "cuda":
-                torch.cuda.current_stream().synchronize()
-            self._published[version] = (buffers, info)
-            self._staging_version = version
+            self._store(version, {name: params[name].detach() for name in self.trainable_names}, info)
         return time.perf_counter() - start
 
     def reset(self) -> None:
@@ -129,6 +116,18 @@ class GenerationBackend(ABC):
             buffers = self._published[max(self._published)][0] if self._published else self._template
         return list(buffers.values())
 
+    def _store(self, version: int, weights: dict[str, torch.Tensor], info: Any) -> None:
+        """Under the lock: copy ``weights`` into a free staging buffer (reused, or new) as ``version``, replacing an
+        earlier copy of the same version."""
+        self._drop_versions(lambda v: v == version)
+        buffers = self._free_buffers.pop() if self._free_buffers else self._new_buffers()
+        for name in self.trainable_names:
+            buffers[name].copy_(weights[name], non_blocking=True)
+        if buffers and next(iter(buffers.values())).device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # whole before the generation thread's stream reads it
+        self._published[version] = (buffers, info)
+        self._staging_version = max(self._staging_version, version)  # versions only grow between resets
+
     def _new_buffers(self) -> dict[str, torch.Tensor]:
         return {name: torch.empty_like(tensor) for name, tensor in self._template.items()}
 
@@ -148,12 +147,10 @@ class GenerationBackend(ABC):
             if target not in self._published:
                 raise RuntimeError(
                     f"Weight version {target} is not held any more (kept: {sorted(self._published)}); it is kept only "
-                    "with keep_versions=True and until a newer version has been loaded."
+                    "with keep_versions=True and until the batch generated with it has been consumed."
                 )
             buffers, info = self._published[target]
-            start = time.perf_counter()
             self.load_weights(buffers, target)
-            self.load_seconds += time.perf_counter() - start
             self.version = target
             self.info = info
         return True
@@ -176,13 +173,7 @@ class GenerationBackend(ABC):
     def restore_weights(self, version: int, weights: dict[str, torch.Tensor], info: Any = None) -> None:
         """Publish ``weights`` (from :meth:`kept_weights` of a checkpoint) as ``version`` again, without a module."""
         with self._lock:
-            if version in self._published:
-                self._drop_versions(lambda v: v == version)
-            buffers = self._free_buffers.pop() if self._free_buffers else self._new_buffers()
-            for name in self.trainable_names:
-                buffers[name].copy_(weights[name])
-            self._published[version] = (buffers, info)
-            self._staging_version = max(self._staging_version, version)
+            self._store(version, weights, info)
 
     @abstractmethod
     def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
@@ -200,15 +191,6 @@ class GenerationBackend(ABC):
     def close(self) -> None:
         """Release what the backend holds (an engine, a server connection). Idempotent."""
         return None
-
-    def metrics(self) -> dict[str, float]:
-        """Backend-specific values to log (e.g. the inference/training log-prob mismatch); empty by default."""
-        return {}
-
-
-@contextlib.contextmanager
-def _no_gather(params):
-    yield
 
 
 def full_shape(param: torch.Tensor) -> torch.Size:

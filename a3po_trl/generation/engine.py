@@ -7,6 +7,7 @@ the batch with that version. It never runs a collective: everything it does is l
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -269,7 +270,7 @@ class GenerationEngine:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
                 stream = torch.cuda.Stream(device)
-            with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else _null():
+            with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for index in range(self.num_batches):
                     if self.stop_event.is_set():
                         return
@@ -283,11 +284,3 @@ class GenerationEngine:
             if hasattr(error, "add_note"):
                 error.add_note("(raised in the a3po-trl generation thread)")
             self._error = error
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

@@ -23,19 +23,22 @@ import logging
 import os
 import shutil
 import tempfile
-import time
 import uuid
 
 import torch
 from torch import nn
 
-from .backend import GenerationBackend, GenerationStopped, full_shape
+from .backend import GenerationBackend, GenerationStopped
 from .vllm_common import (
     VLLMSamplingSettings,
+    active_lora,
+    base_checkpoint_tensors,
     checkpoint_name,
     completions_from_outputs,
+    lora_slot_rank,
     row_seeds,
     sampling_params,
+    staging_buffers,
     unsupported_lora_reason,
     write_lora_adapter,
 )
@@ -57,8 +60,6 @@ class VLLMColocateBackend(GenerationBackend):
         gather: ZeRO-3 gather (see :class:`GenerationBackend`).
     """
 
-    name = "vllm-colocate"
-
     def __init__(
         self,
         module: nn.Module,
@@ -74,14 +75,10 @@ class VLLMColocateBackend(GenerationBackend):
         self._lora_request = None
         self._adapters_loaded = 0
         self._merge_copy: nn.Module | None = None
-        params = dict(module.named_parameters())
-        trainable = [name for name, p in params.items() if p.requires_grad]
         self._peft_config = None
-        if hasattr(module, "peft_config"):
-            self._adapter_name = getattr(module, "active_adapter", "default")
-            if isinstance(self._adapter_name, list):
-                self._adapter_name = self._adapter_name[0]
-            self._peft_config = module.peft_config[self._adapter_name]
+        lora = active_lora(module)
+        if lora is not None:
+            self._adapter_name, self._peft_config = lora
             reason = unsupported_lora_reason(self._peft_config)
             if reason is not None:
                 logger.warning(
@@ -93,11 +90,7 @@ class VLLMColocateBackend(GenerationBackend):
                 self._merge_copy = copy.deepcopy(module).to(device).eval()
                 for submodule in self._merge_copy.modules():
                     submodule.__dict__.pop("forward", None)
-        staging_device = device if device.type == "cuda" else torch.device("cpu")
-        staging = {
-            name: torch.empty(full_shape(params[name]), dtype=params[name].dtype, device=staging_device)
-            for name in trainable
-        }
+        trainable, staging = staging_buffers(module, device if device.type == "cuda" else torch.device("cpu"))
         super().__init__(trainable, staging, gather, device)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights move without copies
         from vllm import LLM
@@ -105,12 +98,8 @@ class VLLMColocateBackend(GenerationBackend):
         kwargs = dict(engine_kwargs)
         self._use_adapters = self._peft_config is not None and self._merge_copy is None
         if self._use_adapters:
-            from .vllm_common import lora_slot_rank
-
             kwargs.update(enable_lora=True, max_lora_rank=lora_slot_rank(self._peft_config.r), max_loras=1)
-        start = time.perf_counter()
         self.llm = LLM(model=model_path, logprobs_mode="processed_logprobs", **kwargs)
-        self.startup_seconds = time.perf_counter() - start
 
     # ---- generation thread ---------------------------------------------------------------------------------------
     def load_weights(self, weights, version):
@@ -149,12 +138,7 @@ class VLLMColocateBackend(GenerationBackend):
             own[name].copy_(tensor)
         model.merge_adapter()
         try:
-            named = [
-                (checkpoint_name(name), param.data)
-                for name, param in model.named_parameters()
-                if model.prefix not in name and "original_module" not in name
-            ]
-            self._reload(iter(named))
+            self._reload(iter(base_checkpoint_tensors(model).items()))
         finally:
             model.unmerge_adapter()
 

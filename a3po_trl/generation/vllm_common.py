@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .backend import GeneratedCompletions
+from .backend import GeneratedCompletions, full_shape
 
 #: The ranks of vLLM LoRA slots go by powers of two up to this (``max_lora_rank`` must be one of them).
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -85,6 +85,36 @@ def completions_from_outputs(outputs, stop_token_ids: list[int]) -> GeneratedCom
         ids = list(completion.token_ids)
         rows.append((ids, [position[token].logprob for position, token in zip(completion.logprobs, ids)]))
     return completions_from_token_logprobs(rows, stop_token_ids)
+
+
+def active_lora(module) -> tuple[str, object] | None:
+    """``(adapter name, its PEFT config)`` of a PEFT model's active adapter, or None for a plain model."""
+    if not hasattr(module, "peft_config"):
+        return None
+    adapter = module.active_adapter
+    adapter = adapter[0] if isinstance(adapter, list) else adapter
+    return adapter, module.peft_config[adapter]
+
+
+def staging_buffers(module, device: torch.device) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """The names of ``module``'s trainable weights and one empty staging buffer each, whole-shaped (also under
+    ZeRO-3), on ``device``."""
+    params = dict(module.named_parameters())
+    trainable = [name for name, p in params.items() if p.requires_grad]
+    staging = {
+        name: torch.empty(full_shape(params[name]), dtype=params[name].dtype, device=device) for name in trainable
+    }
+    return trainable, staging
+
+
+def base_checkpoint_tensors(peft_module) -> dict[str, torch.Tensor]:
+    """A PEFT model's base weights (merged, when its adapters are merged) under their checkpoint names, without the
+    adapter weights and the originals of ``modules_to_save``."""
+    return {
+        checkpoint_name(name): param.detach()
+        for name, param in peft_module.named_parameters()
+        if peft_module.prefix not in name and "original_module" not in name
+    }
 
 
 def checkpoint_name(name: str) -> str:

@@ -30,11 +30,13 @@ from itertools import groupby
 import torch
 from torch import nn
 
-from .backend import GenerationBackend, full_shape
+from .backend import GenerationBackend
 from .vllm_common import (
     VLLMSamplingSettings,
+    active_lora,
     checkpoint_name,
     completions_from_token_logprobs,
+    staging_buffers,
     unsupported_lora_reason,
     write_lora_adapter,
 )
@@ -57,8 +59,6 @@ class VLLMServerBackend(GenerationBackend):
         gather: ZeRO-3 gather (see :class:`GenerationBackend`).
     """
 
-    name = "vllm-server"
-
     def __init__(self, module: nn.Module, args, sampling: VLLMSamplingSettings, device: torch.device, gather=None):
         import requests
 
@@ -78,13 +78,10 @@ class VLLMServerBackend(GenerationBackend):
         self._closed = False
         self._tied_head = bool(getattr(getattr(module, "config", None), "tie_word_embeddings", False))
 
-        params = dict(module.named_parameters())
-        trainable = [name for name, p in params.items() if p.requires_grad]
         self._peft_config = None
-        if hasattr(module, "peft_config"):
-            adapter = module.active_adapter
-            self._adapter_name = adapter[0] if isinstance(adapter, list) else adapter
-            self._peft_config = module.peft_config[self._adapter_name]
+        lora = active_lora(module)
+        if lora is not None:
+            self._adapter_name, self._peft_config = lora
             reason = unsupported_lora_reason(self._peft_config)
             if reason is not None:
                 raise ValueError(
@@ -92,11 +89,7 @@ class VLLMServerBackend(GenerationBackend):
                     "Use vllm_mode='colocate' (which merges such configs), or a plain LoRA config."
                 )
         self._nccl = self._peft_config is None and device.type == "cuda"
-        staging_device = device if self._nccl else torch.device("cpu")
-        staging = {
-            name: torch.empty(full_shape(params[name]), dtype=params[name].dtype, device=staging_device)
-            for name in trainable
-        }
+        trainable, staging = staging_buffers(module, device if self._nccl else torch.device("cpu"))
         super().__init__(trainable, staging, gather, device)
         self._wait_for_server(args.vllm_server_timeout)
         self.model = self._get("/v1/models", self.request_timeout)["data"][0]["id"]

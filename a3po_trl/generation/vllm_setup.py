@@ -26,7 +26,7 @@ import tempfile
 import torch
 from trl import GRPOConfig
 
-from .vllm_common import VLLMSamplingSettings, checkpoint_name
+from .vllm_common import VLLMSamplingSettings, active_lora, base_checkpoint_tensors, unsupported_lora_reason
 
 logger = logging.getLogger(__name__)
 
@@ -109,25 +109,15 @@ def base_model_path(trainer) -> str:
     directory = tempfile.mkdtemp(prefix="a3po-vllm-model-")
     logger.info("Saving the base model to %s for the vLLM engine (it has no checkpoint directory).", directory)
     if hasattr(module, "get_base_model"):  # the base weights under their checkpoint names, without the adapters
-        state = {
-            checkpoint_name(name): param.detach()
-            for name, param in module.named_parameters()
-            if module.prefix not in name and "original_module" not in name
-        }
-        base.save_pretrained(directory, state_dict=state)
+        base.save_pretrained(directory, state_dict=base_checkpoint_tensors(module))
     else:
         base.save_pretrained(directory)
     return directory
 
 
 def _serves_as_adapter(module) -> bool:
-    from .vllm_common import unsupported_lora_reason
-
-    if not hasattr(module, "peft_config"):
-        return False
-    adapter = module.active_adapter
-    adapter = adapter[0] if isinstance(adapter, list) else adapter
-    return unsupported_lora_reason(module.peft_config[adapter]) is None
+    lora = active_lora(module)
+    return lora is not None and unsupported_lora_reason(lora[1]) is None
 
 
 def build_vllm_backend(trainer):
