@@ -11,6 +11,8 @@ import time
 
 import pytest
 import torch
+from test_trainer import COMMON as TRAINER_COMMON
+from test_trainer import logged
 from tiny import length_reward, make_prompts, make_tokenizer, make_vllm_model
 
 pytest.importorskip("vllm")
@@ -25,21 +27,13 @@ pytestmark = pytest.mark.vllm
 #: fp32 engine against the fp32 training forward: what vLLM's CPU kernels differ by (measured ~1e-6 on this model).
 LOGP_TOLERANCE = 1e-4
 
-COMMON = dict(
-    per_device_train_batch_size=4,
-    num_generations=4,
-    max_completion_length=8,
-    logging_steps=1,
-    report_to="none",
-    use_cpu=True,
-    save_strategy="no",
-    learning_rate=1e-2,
-    seed=0,
-    bf16=False,  # the trainer's forward in fp32, as the engine: the log-probs must then agree to kernel rounding
-    use_vllm=True,
-    vllm_mode="colocate",
-    vllm_max_model_length=256,
-)
+COMMON = {
+    **TRAINER_COMMON,
+    "bf16": False,  # the trainer's forward in fp32, as the engine: the log-probs must then agree to kernel rounding
+    "use_vllm": True,
+    "vllm_mode": "colocate",
+    "vllm_max_model_length": 256,
+}
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +74,6 @@ def trainer_logps(trainer, prompt_ids, completion_ids):
             completions.size(1),
         )[0]
     return [row[: len(ids)] for row, ids in zip(logps, completion_ids)]
-
-
-def logged(trainer, key):
-    return [h[key] for h in trainer.state.log_history if key in h]
 
 
 @torch.no_grad()

@@ -38,20 +38,28 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def make_model(tokenizer, seed: int = 0, hidden_size: int = 32, num_layers: int = 2) -> LlamaForCausalLM:
+def make_model(
+    tokenizer,
+    seed: int = 0,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    tie_word_embeddings: bool = False,
+) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
         max_position_embeddings=512,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
     )
     return LlamaForCausalLM(config)
 
@@ -121,18 +129,11 @@ def digit_reward(completions, **kwargs):
 def make_vllm_model(tokenizer, seed: int = 0, tie_word_embeddings: bool = True) -> LlamaForCausalLM:
     """A small random Llama that vLLM's CPU kernels accept (head size 64), with tied embeddings by default (the case
     where vLLM's packed LM head must be refreshed after a weight load)."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
+    return make_model(
+        tokenizer,
+        seed,
         hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
-        max_position_embeddings=512,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
         tie_word_embeddings=tie_word_embeddings,
     )
-    return LlamaForCausalLM(config)
