@@ -99,6 +99,22 @@ class AsyncA3POConfig(GRPOConfig):
         vllm_request_timeout (`float`, *optional*, defaults to `600.0`):
             Seconds one generation request to a vLLM server may take (a whole local generation batch); past it, or
             as soon as the server cannot be reached, the batch fails and the error reaches `train()`.
+
+        > Parameters that control multi-turn rollouts (`tools`, `environment_factory`)
+
+        refresh_weights_between_turns (`bool`, *optional*, defaults to `True`):
+            Whether the generator loads the newest published weights between the turns of a trajectory (after the
+            tool results of a turn are in, before the model continues), so that turns generated after a slow tool
+            call are less stale. Every generated token records the version that generated it, and its staleness,
+            proximal log-prob and importance weight are computed token by token. `False` generates every turn of a
+            batch with the weights its first turn used. Ignored with `reproducible_generation=True` (the batch's
+            assigned version generates every turn, so runs stay reproducible).
+        tool_call_timeout (`float` or `None`, *optional*, defaults to `None`):
+            Seconds one tool call may take. Past it the model sees the tool-error message `{"error": "..."}` (as
+            for a tool that raises, TRL's behaviour) and the call counts as a failure and a timeout; the call is left
+            running in a daemon thread. With a timeout, synchronous tools run in a worker thread (so objects a tool
+            uses must not be bound to the thread that created them). `None` runs tools in the generation thread with
+            no limit, as GRPOTrainer does: a tool that never returns then stalls training.
     """
 
     prox_logp_method: str = field(
@@ -189,6 +205,20 @@ class AsyncA3POConfig(GRPOConfig):
         default=600.0,
         metadata={"help": "Seconds one generation request to a vLLM server may take before the run fails."},
     )
+    refresh_weights_between_turns: bool = field(
+        default=True,
+        metadata={
+            "help": "Load the newest published weights between the turns of a multi-turn trajectory (every token "
+            "records its version); ignored with reproducible_generation=True."
+        },
+    )
+    tool_call_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "Seconds one tool call may take before the model sees a tool-error message instead; None: no "
+            "limit (tools then run in the generation thread, as in GRPOTrainer)."
+        },
+    )
 
     def __post_init__(self):
         # Which batch-schedule setting the user gave, to name it in errors (GRPOConfig fills in the other).
@@ -223,6 +253,10 @@ class AsyncA3POConfig(GRPOConfig):
         for name in ("generation_poll_interval", *timeouts):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be a positive number of seconds.")
+        if self.tool_call_timeout is not None and not self.tool_call_timeout > 0:
+            raise ValueError(
+                f"tool_call_timeout={self.tool_call_timeout} must be a positive number of seconds, or None (no limit)."
+            )
         local_batch = self.per_device_train_batch_size * self.steps_per_generation
         if local_batch % self.num_generations:
             raise ValueError(

@@ -18,6 +18,7 @@ from .functional import (
     decoupled_ppo_loss,
     kl_to_reference,
     proximal_approximation_error,
+    token_staleness,
 )
 from .metrics import loss_metrics
 
@@ -54,9 +55,11 @@ class DecoupledLossMixin:
         mode = "train" if self.model.training else "eval"
         train = mode == "train"
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
-        completion_ids, mask = inputs["completion_ids"], inputs["completion_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        attention_mask = torch.cat([prompt_mask, mask], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        # Tool-result tokens (multi-turn) are attended to but are not the model's: they never enter the loss.
+        mask = completion_mask * inputs["tool_mask"] if "tool_mask" in inputs else completion_mask
         current_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
             model,
             input_ids,
@@ -72,7 +75,7 @@ class DecoupledLossMixin:
         advantages = inputs["advantages"]
         advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
         behavior_logps = inputs["behavior_logps"]
-        staleness = (self.state.global_step - inputs["policy_version"]).clamp(min=0)
+        staleness = token_staleness(self.state.global_step, inputs["policy_version"])
         proximal_logps, loglinear_logps = self._proximal_logps(inputs, current_logps, staleness)
 
         per_token_loss, stats = decoupled_ppo_loss(
@@ -191,7 +194,8 @@ class DecoupledLossMixin:
         what the generator's numerics (vLLM's kernels, KV-cache decoding, another dtype) add to the importance ratio
         beyond staleness. Logged as ``a3po/behavior_mismatch_mean|max`` on the micro-steps that have such tokens; it
         costs no forward (both log-probs are at hand)."""
-        current = mask.bool() & (staleness == 0).view(-1, 1) & torch.isfinite(behavior_logps)
+        staleness = staleness if staleness.dim() == 2 else staleness.view(-1, 1)
+        current = mask.bool() & (staleness == 0) & torch.isfinite(behavior_logps)
         difference = torch.where(current, (behavior_logps - current_logps.detach()).abs(), 0.0)
         local = torch.stack([difference.sum(), current.sum().float()])
         totals = self.accelerator.reduce(local, reduction="sum")

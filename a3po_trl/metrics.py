@@ -199,3 +199,52 @@ def loss_metrics(
     elif loss_type == "vespo":
         values["vespo/phi_seq_mean"] = trl_mean(4)
     return values
+
+
+def tool_metrics(accelerator, data: dict, loss_mask: torch.Tensor, completion_lengths: torch.Tensor) -> dict:
+    """Multi-turn statistics of one generation batch over every process (one sum-reduce and one gather); pops the
+    per-batch counters the rollout left in ``data``. Empty for single-turn batches.
+
+    GRPOTrainer's ``tools/call_frequency`` (tool calls per trajectory) and ``tools/failure_frequency`` (failed calls
+    per call), and: ``tools/timeout_frequency`` (calls past ``tool_call_timeout`` per call), ``tools/turns_mean|max``
+    (model turns per trajectory), ``tools/generated_tokens_mean`` and ``tools/tool_result_tokens_mean`` (per
+    trajectory), ``a3po/multi_version_trajectories_frac`` (trajectories whose generated tokens come from more than
+    one weight version: turns generated across an update).
+    """
+    turns = data.pop("turns", None)
+    counts = data.pop("tool_counts", None)
+    tool_lengths = data.pop("tool_result_lengths", None)
+    if counts is None:
+        return {}
+    versions = data["policy_version"]
+    generated = loss_mask.bool() & (versions >= 0)
+    newest = torch.where(generated, versions, torch.full_like(versions, -1)).max(dim=1).values
+    oldest = torch.where(generated, versions, torch.full_like(versions, 1 << 62)).min(dim=1).values
+    mixed = (generated.any(dim=1) & (newest > oldest)).sum()
+    local = torch.stack(
+        [
+            counts[0],
+            counts[1],
+            counts[2],
+            torch.tensor(turns.numel(), device=turns.device),
+            turns.sum(),
+            completion_lengths.sum(),
+            tool_lengths.sum(),
+            mixed,
+        ]
+    ).float()
+    calls, failures, timeouts, rows, turn_sum, generated_sum, tool_sum, mixed_sum = accelerator.reduce(
+        local, reduction="sum"
+    ).tolist()
+    most_turns = accelerator.gather(turns.max().view(1).float()).max().item()
+    rows = max(rows, 1.0)
+    return {
+        "tools/call_frequency": calls / rows,
+        "tools/failure_frequency": failures / calls if calls > 0 else 0.0,
+        "tools/timeout_frequency": timeouts / calls if calls > 0 else 0.0,
+        "tools/turns_mean": turn_sum / rows,
+        "tools/turns_max": most_turns,
+        "tools/generated_tokens_mean": generated_sum / rows,
+        "tools/tool_result_tokens_mean": tool_sum / rows,
+        "a3po/multi_version_trajectories_frac": mixed_sum / rows,
+    }

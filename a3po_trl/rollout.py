@@ -19,6 +19,14 @@ from trl.trainer.utils import pad
 
 from .generation.backend import GenerationBackend, pad_rows
 from .generation.engine import ScoredBatch
+from .multi_turn import (
+    NO_VERSION,
+    AgentSettings,
+    Trajectories,
+    generate_with_tools,
+    prepare_agent_prompts,
+    prompt_tools,
+)
 from .scoring import score_completions
 
 
@@ -26,7 +34,8 @@ from .scoring import score_completions
 class RolloutSettings:
     """What a rollout needs from the trainer, copied once so the thread never reads the trainer."""
 
-    tokenize_prompts: Callable[[list], list[list[int]]]
+    tokenize_prompts: Callable[[list, list | None], list[list[int]]]
+    """``tokenize_prompts(prompts, tools)``: prompt ids, prompt ``i`` rendered with ``tools[i]`` (None: no tools)."""
     decode: Callable[[list[list[int]], list[list[int]], list], list]
     """``decode(completion_ids, prompt_ids, prompts)``: completions as reward functions receive them."""
     eos_token_ids: list[int]
@@ -44,6 +53,8 @@ class RolloutSettings:
     async_loop: Any = None
     """Event loop that runs ``async def`` reward functions (TRL's daemon loop)."""
     chat_template_kwargs: dict = field(default_factory=dict)
+    agent: AgentSettings | None = None
+    """Tools and environments (multi-turn rollouts), or None."""
 
 
 def run_rollout(
@@ -58,33 +69,73 @@ def run_rollout(
 
     ``trainer_state`` is what reward functions receive as ``trainer_state`` (the state of the weights' version);
     ``index`` is the batch's position in the run (for its sampling seed). Values reward functions pass to
-    ``log_metric`` and ``log_extra`` are kept with the batch for the trainer to log.
+    ``log_metric`` and ``log_extra`` are kept with the batch for the trainer to log. With tools or environments
+    (``settings.agent``) the rollout is multi-turn (:mod:`a3po_trl.multi_turn`).
     """
-    timings = {}
-    prompts = [row["prompt"] for row in rows]
-    prompt_ids_list = settings.tokenize_prompts(prompts)
     seed = settings.sampling_seeds(index) if settings.sampling_seeds is not None else None
-
-    start = time.perf_counter()
-    generated = backend.generate(prompt_ids_list, should_stop, seed)
-    timings.update(generated.timings)
-    timings["generation"] = time.perf_counter() - start - timings.get("behavior_logps", 0.0)
-    completion_ids_list = generated.completion_ids
+    environments = None
+    if settings.agent is not None:
+        prompts, environments, names = prepare_agent_prompts(settings.agent, rows)
+        if not is_conversational({"prompt": prompts[0]}):
+            raise ValueError(
+                "tools and environment_factory need conversational prompts (lists of messages), as in "
+                "GRPOTrainer: the tool calls are parsed from assistant messages. Give the dataset a conversational "
+                "'prompt' column."
+            )
+        tools = prompt_tools(settings.agent, names, len(prompts))
+        prompt_ids_list = settings.tokenize_prompts(prompts, tools)
+        trajectories = generate_with_tools(
+            settings.agent, backend, prompts, prompt_ids_list, environments, names, should_stop, seed
+        )
+    else:
+        prompts = [row["prompt"] for row in rows]
+        prompt_ids_list = settings.tokenize_prompts(prompts, None)
+        trajectories = generate_single_turn(settings, backend, prompts, prompt_ids_list, should_stop, seed)
+    timings = dict(trajectories.timings)
+    completion_ids_list = trajectories.completion_ids
 
     prompt_ids, prompt_mask = pad_rows(prompt_ids_list, settings.pad_token_id, "left", settings.pad_to_multiple_of)
     completion_ids, completion_mask = pad_rows(
         completion_ids_list, settings.pad_token_id, "right", settings.pad_to_multiple_of
     )
+    width = completion_ids.size(1)
     eos_and_pad = {*settings.eos_token_ids, settings.pad_token_id}
     is_truncated = torch.tensor([len(ids) == 0 or ids[-1] not in eos_and_pad for ids in completion_ids_list])
     if settings.mask_truncated_completions:
         completion_mask = completion_mask * (~is_truncated).unsqueeze(1).long()
-    behavior_logps = pad([lp.float().cpu() for lp in generated.logps], padding_value=0.0, padding_side="right")
-    behavior_logps = torch.nn.functional.pad(behavior_logps, (0, completion_ids.size(1) - behavior_logps.size(1)))
+    tensors = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "behavior_logps": _padded(trajectories.logps, 0.0, width, torch.float32),
+        "token_versions": _padded(trajectories.versions, NO_VERSION, width, torch.long),
+        "is_truncated": is_truncated,
+    }
+    if trajectories.tool_mask is not None:
+        tool_mask = _padded(trajectories.tool_mask, 1, width, torch.long)
+        if settings.mask_truncated_completions:
+            tool_mask = tool_mask * (~is_truncated).unsqueeze(1).long()
+        tensors["tool_mask"] = tool_mask
+        tensors["completion_lengths"] = torch.tensor([sum(mask) for mask in trajectories.tool_mask])
+        tensors["tool_result_lengths"] = torch.tensor([len(m) - sum(m) for m in trajectories.tool_mask])
+        tensors["turns"] = torch.tensor(trajectories.turns)
+        tensors["tool_counts"] = torch.tensor(
+            [trajectories.tool_calls, trajectories.tool_failures, trajectories.tool_timeouts]
+        )
+    else:
+        tensors["completion_lengths"] = torch.tensor([len(ids) for ids in completion_ids_list])
 
-    completions = settings.decode(completion_ids_list, prompt_ids_list, prompts)
+    completions = trajectories.completions
     extra_logs: dict[str, list] = defaultdict(list)
     logged_metrics: dict[str, list[float]] = defaultdict(list)
+    extra_kwargs = {
+        "trainer_state": trainer_state,
+        "log_extra": lambda column, values: extra_logs[column].extend(values),
+        "log_metric": lambda name, value: logged_metrics[name].append(float(value)),
+    }
+    if environments is not None:
+        extra_kwargs["environments"] = environments
     start = time.perf_counter()
     rewards_per_func = score_completions(
         settings.reward_funcs,
@@ -94,26 +145,12 @@ def run_rollout(
         prompts,
         completions,
         completion_ids_list,
-        {
-            "trainer_state": trainer_state,
-            "log_extra": lambda column, values: extra_logs[column].extend(values),
-            "log_metric": lambda name, value: logged_metrics[name].append(float(value)),
-        },
+        extra_kwargs,
         skip=settings.deferred_reward_columns,
         async_loop=settings.async_loop,
         chat_template_kwargs=settings.chat_template_kwargs,
     )
     timings["rewards"] = time.perf_counter() - start
-
-    tensors = {
-        "prompt_ids": prompt_ids,
-        "prompt_mask": prompt_mask,
-        "completion_ids": completion_ids,
-        "completion_mask": completion_mask,
-        "behavior_logps": behavior_logps,
-        "is_truncated": is_truncated,
-        "completion_lengths": torch.tensor([len(ids) for ids in completion_ids_list]),
-    }
     return ScoredBatch(
         index=-1,
         version=-1,
@@ -124,7 +161,31 @@ def run_rollout(
         rows=rows,
         extra_logs=dict(extra_logs),
         logged_metrics=dict(logged_metrics),
+        environments=environments,
     )
+
+
+def generate_single_turn(settings, backend, prompts, prompt_ids, should_stop, seed) -> Trajectories:
+    """One generate call for the batch: every token from the loaded version."""
+    start = time.perf_counter()
+    generated = backend.generate(prompt_ids, should_stop, seed)
+    timings = dict(generated.timings)
+    timings["generation"] = time.perf_counter() - start - timings.get("behavior_logps", 0.0)
+    version = backend.version
+    return Trajectories(
+        completion_ids=generated.completion_ids,
+        logps=[lp.float().cpu() for lp in generated.logps],
+        versions=[[version] * len(ids) for ids in generated.completion_ids],
+        completions=settings.decode(generated.completion_ids, prompt_ids, prompts),
+        timings=timings,
+    )
+
+
+def _padded(rows, value, width: int, dtype) -> torch.Tensor:
+    """Rows (lists or 1-D tensors) right-padded with ``value`` to ``width`` columns."""
+    tensors = [torch.as_tensor(row, dtype=dtype) for row in rows]
+    padded = pad(tensors, padding_value=value, padding_side="right")
+    return torch.nn.functional.pad(padded, (0, width - padded.size(1)), value=value)
 
 
 def decode_completions(tokenizer, completion_ids, prompt_ids, prompts):

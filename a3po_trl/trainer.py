@@ -37,8 +37,9 @@ from .distributed import destroy_process_group_at_exit
 from .generation import GenerationBackend, GenerationEngine, HFGenerateBackend, HFGenerationSettings
 from .generation.hf_generate import generation_target
 from .losses import DecoupledLossMixin
-from .metrics import batch_metrics
+from .metrics import batch_metrics, tool_metrics
 from .model_patches import align_position_ids_with_generation, cast_lm_head_to_fp32
+from .multi_turn import agent_settings
 from .prompts import repeated_prompt_batches
 from .rollout import RolloutSettings, decode_completions, run_rollout
 from .sampling import records_logps, samples_with_own_stream, sampling_deviations
@@ -277,17 +278,23 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         tokenizer = copy.deepcopy(self.processing_class)  # the thread gets its own tokenizers
         chat_template, template_kwargs = self.chat_template, dict(self.chat_template_kwargs)
 
-        def tokenize(prompts):
-            if is_conversational({"prompt": prompts[0]}):
-                return tokenizer.apply_chat_template(
-                    conversation=prompts,
-                    chat_template=chat_template,
-                    add_generation_prompt=True,
-                    tokenize=True,
-                    return_dict=True,
-                    **template_kwargs,
-                )["input_ids"]
-            return tokenizer(text=prompts)["input_ids"]
+        def render(prompts, tools):
+            return tokenizer.apply_chat_template(
+                conversation=prompts,
+                tools=tools or None,  # `or None`, as GRPOTrainer: some templates render tool boilerplate for []
+                chat_template=chat_template,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+                **template_kwargs,
+            )["input_ids"]
+
+        def tokenize(prompts, tools):
+            if not is_conversational({"prompt": prompts[0]}):
+                return tokenizer(text=prompts)["input_ids"]
+            if tools is None or all(t is tools[0] for t in tools):
+                return render(prompts, tools[0] if tools else None)
+            return [render([prompt], prompt_tools)[0] for prompt, prompt_tools in zip(prompts, tools, strict=True)]
 
         return RolloutSettings(
             tokenize_prompts=tokenize,
@@ -303,6 +310,9 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             deferred_reward_columns=self._deferred_reward_columns(),
             async_loop=getattr(self, "async_loop", None),
             chat_template_kwargs=template_kwargs,
+            agent=agent_settings(
+                self, tokenizer, self.args.refresh_weights_between_turns and not self.args.reproducible_generation
+            ),
         )
 
     def _sampling_seeds(self, batch_numbers):
@@ -479,8 +489,12 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             self.accelerator.process_index * batch_size, (self.accelerator.process_index + 1) * batch_size
         )
         data["advantages"] = advantages[process_slice]
-        data["policy_version"] = torch.full((batch_size,), scored.version, dtype=torch.long, device=device)
-        data["num_items_in_batch"] = self.accelerator.gather(data["completion_mask"].sum()).sum()
+        data["policy_version"] = data.pop("token_versions")  # (B, T): the version that generated each token
+        loss_mask = data["completion_mask"] * data["tool_mask"] if "tool_mask" in data else data["completion_mask"]
+        data["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
+        agent_values = tool_metrics(self.accelerator, data, loss_mask, completion_lengths)
+        if scored.environments is not None:
+            self.environments = scored.environments  # GRPOTrainer's attribute: the latest batch's environments
 
         prompt_completion_ids = torch.cat([data["prompt_ids"], data["completion_ids"]], dim=1)
         attention_mask = torch.cat([data["prompt_mask"], data["completion_mask"]], dim=1)
@@ -517,6 +531,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         self.state.num_input_tokens_seen += tokens_seen
         metrics = self._metrics["train"]
         metrics["num_tokens"] = [self.state.num_input_tokens_seen]
+        values.update(agent_values)
         values["async/weight_sync_time"] = self._weight_sync_seconds
         self._weight_sync_seconds = 0.0
         for name, value in values.items():

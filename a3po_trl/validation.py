@@ -15,11 +15,6 @@ _UNSUPPORTED_ARGS = {
     ),
 }
 
-_MULTI_TURN = (
-    "multi-turn rollouts (tools, environments, custom rollout functions) are not supported by AsyncA3POTrainer yet "
-    "(planned: run in the generation thread with per-token versions); train agents with trl.GRPOTrainer for now"
-)
-
 
 def check_supported(args: GRPOConfig, kwargs: dict) -> None:
     """Reject, before any model is loaded, the GRPOTrainer options this trainer cannot honour."""
@@ -33,9 +28,12 @@ def check_supported(args: GRPOConfig, kwargs: dict) -> None:
             "behavior log-probs are the engine's (of the temperature-scaled distribution, processed_logprobs). Set "
             "behavior_logps_source='generation'."
         )
-    for name in ("tools", "rollout_func", "environment_factory"):
-        if kwargs.get(name):
-            raise NotImplementedError(f"`{name}` was passed, but {_MULTI_TURN}.")
+    if kwargs.get("rollout_func") is not None:
+        raise NotImplementedError(
+            "`rollout_func` is not supported by AsyncA3POTrainer yet: a custom rollout generates with weights the "
+            "generation thread cannot version. Multi-turn rollouts with `tools=[...]` or `environment_factory` are "
+            "supported (they run in the generation thread); train with a custom rollout_func with trl.GRPOTrainer."
+        )
 
 
 def check_train_dataset(dataset) -> None:

@@ -66,16 +66,15 @@ def test_unsupported_options_are_rejected_before_the_model_loads(tokenizer, tmp_
         make_trainer(tokenizer, tmp_path, model="does-not-exist/never-loaded", **overrides)
 
 
-@pytest.mark.parametrize("name", ["tools", "rollout_func", "environment_factory"])
-def test_multi_turn_arguments_are_rejected_with_what_to_use_instead(tokenizer, tmp_path, name):
+def test_rollout_func_is_rejected_with_what_to_use_instead(tokenizer, tmp_path):
     args = AsyncA3POConfig(output_dir=str(tmp_path), **COMMON)
-    with pytest.raises(NotImplementedError, match=f"`{name}` was passed.*trl.GRPOTrainer"):
+    with pytest.raises(NotImplementedError, match="`rollout_func` is not supported.*tools.*trl.GRPOTrainer"):
         AsyncA3POTrainer(
             model="does-not-exist/never-loaded",
             reward_funcs=[length_reward],
             args=args,
             train_dataset=make_prompts(8),
-            **{name: [length_reward] if name == "tools" else length_reward},
+            rollout_func=length_reward,
         )
 
 

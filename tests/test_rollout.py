@@ -66,7 +66,7 @@ def test_score_completions_passes_columns_and_names_failures():
 
 
 def _rollout_settings(tokenizer) -> RolloutSettings:
-    def tokenize(prompts):
+    def tokenize(prompts, tools):
         return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
 
     return RolloutSettings(

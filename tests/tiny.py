@@ -46,6 +46,7 @@ def make_model(
     num_attention_heads: int = 4,
     num_key_value_heads: int = 2,
     tie_word_embeddings: bool = False,
+    max_position_embeddings: int = 512,
 ) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
@@ -55,7 +56,7 @@ def make_model(
         num_hidden_layers=num_layers,
         num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads,
-        max_position_embeddings=512,
+        max_position_embeddings=max_position_embeddings,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,

@@ -27,7 +27,9 @@ class ScoredBatch:
     index: int
     """Position of the batch in this run's sequence of generation batches (0-based)."""
     version: int
-    """Policy version (optimizer steps applied) of the weights that generated every token of the batch."""
+    """Policy version (optimizer steps applied) of the weights the batch started generating with. Every token of a
+    single-turn batch comes from it; later turns of a multi-turn batch may come from newer versions, and
+    ``tensors["token_versions"]`` records the version of each token."""
     tensors: dict[str, Any]
     """Padded tensors (prompt/completion ids and masks, behavior log-probs, advantages, ...)."""
     rewards_per_func: torch.Tensor
@@ -43,6 +45,8 @@ class ScoredBatch:
     """Columns reward functions added to the completions table (``log_extra``)."""
     logged_metrics: dict[str, list[float]] = field(default_factory=dict)
     """Values reward functions logged (``log_metric``)."""
+    environments: list | None = None
+    """The environment instances of the batch's rollouts (``environment_factory``), or None."""
 
 
 class VersionedSampleQueue:

@@ -1,0 +1,439 @@
+"""Multi-turn rollouts in the generation thread: tool calls and environments, with GRPOTrainer's semantics.
+
+What GRPOTrainer does in its main thread for ``tools=[...]`` and ``environment_factory`` (``_generate_and_score_
+completions``, ``_generate`` and ``_tool_call_loop`` in TRL 1.16), done here for one local batch with a
+:class:`~a3po_trl.generation.backend.GenerationBackend`, so it runs in the generation thread with no collective:
+
+1. each row draws an environment instance from the thread's own pool (one per concurrent rollout, constructed once and
+   reset for every rollout), ``reset(**row)`` runs and its observation is appended to the last user message;
+2. the prompts are rendered with the tools of their environment (plus the standalone tools);
+3. the model generates; completions are parsed with the tokenizer's response schema; every tool call is executed
+   (``async def`` tools on TRL's event loop), its result rendered with the chat template's tool-message suffix and
+   appended, and the rows that called tools continue, until no row calls a tool, ``max_tool_calling_iterations``
+   turns, or the completion budget is spent (a tool result that would overflow it is dropped and the row ends).
+
+What is A-3PO's own: every generated token records the weight version that generated it, and the generator may load
+newer weights between turns (``refresh_weights_between_turns``), so a trajectory whose turns span an update is staled
+token by token. Tool-result tokens carry no version (-1), a behavior log-prob of 0 and a 0 in ``tool_mask``: they are
+attended to but never enter the loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import inspect
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from trl import GRPOTrainer
+
+from .generation.backend import GenerationBackend, GenerationStopped
+
+logger = logging.getLogger(__name__)
+
+NO_VERSION = -1
+"""Version recorded for tokens no model generated (tool results)."""
+
+
+@dataclass
+class AgentSettings:
+    """What a multi-turn rollout needs from the trainer, copied once so the thread never reads the trainer."""
+
+    tokenizer: Any
+    """The thread's own copy of the processing class (with its response schema, for parsing tool calls)."""
+    chat_template: str | None
+    chat_template_kwargs: dict
+    standalone_tools: list
+    """Tools not bound to an environment (GRPOTrainer's ``tools`` argument)."""
+    environment_factories: dict | None
+    """``{name: factory}`` (``{None: factory}`` for a single environment), or None."""
+    environment_tools: dict
+    """``{name: tools}``: what the prompts of each environment are rendered with (GRPOTrainer's ``_env_tools``)."""
+    multi_environment: bool
+    max_tool_calling_iterations: int
+    max_completion_length: int
+    max_model_len: int
+    tool_call_timeout: float | None = None
+    refresh_between_turns: bool = True
+    async_loop: Any = None
+    _pool: dict = field(default_factory=dict)
+
+    @property
+    def tools(self) -> list:
+        """Every tool a prompt may be rendered with (standalone and environment ones)."""
+        tools = list(self.standalone_tools)
+        for environment_tools in self.environment_tools.values():
+            tools += [tool for tool in environment_tools if tool not in tools]
+        return tools
+
+    def draw_environments(self, rows: list[dict]) -> tuple[list[Any], list[str | None]]:
+        """One environment instance per row from the thread's pool, and each row's environment name. The pool makes
+        an instance only when a batch needs more concurrent instances of an environment than it holds."""
+        names = [row.get("environment") if self.multi_environment else None for row in rows]
+        unknown = sorted({str(name) for name in names if name not in self.environment_factories})
+        if unknown:
+            raise ValueError(
+                f"Example has `environment={unknown[0]!r}`, which is not among the environments passed to "
+                f"`environment_factory`. Expected one of: {list(self.environment_factories)}."
+            )
+        cursor: dict = {}
+        environments = []
+        for name in names:
+            pool = self._pool.setdefault(name, [])
+            index = cursor.get(name, 0)
+            if index == len(pool):
+                pool.append(self.environment_factories[name]())
+            cursor[name] = index + 1
+            environments.append(pool[index])
+        return environments, names
+
+
+@dataclass
+class Trajectories:
+    """The completions of one local batch, token by token, as the trainer needs them."""
+
+    completion_ids: list[list[int]]
+    logps: list[list[float]]
+    """Behavior log-probs per completion token; 0 for tool-result tokens."""
+    versions: list[list[int]]
+    """Weight version that generated each completion token; :data:`NO_VERSION` for tool-result tokens."""
+    completions: list
+    """As reward functions receive them: a list of messages per row (assistant, tool, assistant, ...)."""
+    tool_mask: list[list[int]] | None = None
+    """1 for generated tokens, 0 for tool-result tokens (None: no tools)."""
+    turns: list[int] = field(default_factory=list)
+    tool_calls: int = 0
+    tool_failures: int = 0
+    tool_timeouts: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def prepare_agent_prompts(agent: AgentSettings, rows: list[dict]) -> tuple[list, list | None, list | None]:
+    """``(prompts, environments, names)``: with environments, one drawn and reset per row, its observation appended
+    to the prompt's last message (GRPOTrainer's semantics; a row without ``prompt`` gets an empty user message)."""
+    if agent.environment_factories is None:
+        return [row["prompt"] for row in rows], None, None
+    prompts = [row.get("prompt", [{"role": "user", "content": ""}]) for row in rows]
+    environments, names = agent.draw_environments(rows)
+    for i, (prompt, environment, row) in enumerate(zip(prompts, environments, rows, strict=True)):
+        kwargs = {k: v for k, v in row.items() if k != "environment"} if agent.multi_environment else row
+        observation = environment.reset(**kwargs)
+        if observation is None:
+            continue
+        content = prompt[-1]["content"]
+        if isinstance(observation, list) and isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+        if isinstance(observation, str) and isinstance(content, list):
+            observation = [{"type": "text", "text": observation}]
+        prompts[i] = prompt[:-1] + [{**prompt[-1], "content": content + observation}]
+    return prompts, environments, names
+
+
+def prompt_tools(agent: AgentSettings, names: list | None, count: int) -> list[list]:
+    """The tools each of ``count`` prompts is rendered (and parsed) with."""
+    if names is None:
+        return [list(agent.standalone_tools)] * count
+    return [agent.environment_tools[name] for name in names]
+
+
+def tool_functions(standalone_tools: list, environment: Any) -> tuple[dict, dict]:
+    """``(sync, async)`` name -> callable for one rollout: the standalone tools and its environment's public methods
+    (``reset`` and ``get_reward`` excluded), as GRPOTrainer builds them."""
+    methods = []
+    if environment is not None:
+        methods = [
+            getattr(environment, name)
+            for name, _ in inspect.getmembers(type(environment), predicate=inspect.isfunction)
+            if name not in ("reset", "get_reward") and not name.startswith("_")
+        ]
+    sync, asynchronous = {}, {}
+    for tool in list(standalone_tools) + methods:
+        (asynchronous if inspect.iscoroutinefunction(tool) else sync)[tool.__name__] = tool
+    return sync, asynchronous
+
+
+def turn_seed(seed: int | None, turn: int) -> int | None:
+    """Seed of a batch's ``turn``-th generate call (turn 0 uses the batch seed itself)."""
+    if seed is None or turn == 0:
+        return seed
+    return (seed * 6364136223846793005 + 1442695040888963407 * turn) % (1 << 63)
+
+
+class ToolCaller:
+    """Executes one rollout's tool calls with GRPOTrainer's semantics: a tool that raises, an unknown tool or an
+    unsupported call type gives the model ``{"error": ...}`` and counts as a failure. With ``timeout``, a call still
+    running after it gives a timeout error (synchronous tools then run in a daemon worker thread). A stop request
+    (``should_stop``) ends the wait."""
+
+    def __init__(self, timeout: float | None, async_loop, should_stop: Callable[[], bool] | None, poll: float = 0.05):
+        self.timeout = timeout
+        self.async_loop = async_loop
+        self.should_stop = should_stop or (lambda: False)
+        self.poll = poll
+        self.calls = 0
+        self.failures = 0
+        self.timeouts = 0
+        self.seconds = 0.0
+        self._warned: set[str] = set()
+
+    def run(self, tool_calls: list[dict], sync_tools: dict, async_tools: dict) -> list[tuple[str, Any]]:
+        """``(name, result)`` for every call, the synchronous ones first, then the ``async def`` ones (TRL's order)."""
+        start = time.perf_counter()
+        results, pending = [], []
+        for tool_call in tool_calls:
+            self.calls += 1
+            if self.should_stop():
+                raise GenerationStopped
+            if tool_call.get("type", "function") != "function":
+                self.failures += 1
+                name = tool_call.get("name", "unknown")
+                results.append((name, {"error": f"Unsupported tool call type: {tool_call['type']}"}))
+                continue
+            function = tool_call["function"]
+            name, arguments = function["name"], function.get("arguments") or {}
+            if name in async_tools:
+                try:  # calling with wrong arguments fails here, before any await (as in GRPOTrainer)
+                    pending.append((name, async_tools[name](**arguments)))
+                except Exception as error:  # noqa: BLE001 - the model sees the error
+                    results.append((name, self._failed(name, error)))
+            elif name in sync_tools:
+                results.append((name, self._call_sync(name, sync_tools[name], arguments)))
+            else:
+                self.failures += 1
+                results.append((name, {"error": f"Tool {name} not found."}))
+        if pending:
+            results.extend(self._call_async(pending))
+        self.seconds += time.perf_counter() - start
+        return results
+
+    def _failed(self, name: str, error: BaseException) -> dict:
+        self.failures += 1
+        if name not in self._warned:
+            self._warned.add(name)
+            logger.warning("Tool %r failed (the model sees the error message): %r", name, error)
+        return {"error": str(error)}
+
+    def _timed_out(self, name: str) -> dict:
+        self.failures += 1
+        self.timeouts += 1
+        message = f"Tool {name!r} did not return within {self.timeout} s (tool_call_timeout)."
+        if name not in self._warned:
+            self._warned.add(name)
+            logger.warning("%s The model sees this as the tool's error message; the call is left running.", message)
+        return {"error": message}
+
+    def _call_sync(self, name: str, function: Callable, arguments: dict) -> Any:
+        if self.timeout is None:
+            try:
+                return function(**arguments)
+            except Exception as error:  # noqa: BLE001 - the model sees the error, as in GRPOTrainer
+                return self._failed(name, error)
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def target():
+            try:
+                box["result"] = function(**arguments)
+            except BaseException as error:  # noqa: BLE001 - handed to the generation thread
+                box["error"] = error
+            finally:
+                done.set()
+
+        threading.Thread(target=target, name=f"a3po-tool-{name}", daemon=True).start()
+        deadline = time.monotonic() + self.timeout
+        while not done.wait(min(self.poll, max(deadline - time.monotonic(), 0.0))):
+            if self.should_stop():
+                raise GenerationStopped
+            if time.monotonic() >= deadline:
+                return self._timed_out(name)
+        if "error" in box:
+            if not isinstance(box["error"], Exception):
+                raise box["error"]
+            return self._failed(name, box["error"])
+        return box["result"]
+
+    def _call_async(self, pending: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """Await ``(name, coroutine)`` pairs together on TRL's event loop, each within the timeout."""
+        timeout = self.timeout
+
+        async def gather():
+            awaited = [c if timeout is None else asyncio.wait_for(c, timeout) for _, c in pending]
+            return await asyncio.gather(*awaited, return_exceptions=True)
+
+        future = asyncio.run_coroutine_threadsafe(gather(), self.async_loop)
+        while True:
+            try:
+                outcomes = future.result(timeout=self.poll)
+                break
+            except TimeoutError:
+                if self.should_stop():
+                    future.cancel()
+                    raise GenerationStopped from None
+        results = []
+        for (name, _), outcome in zip(pending, outcomes, strict=True):
+            if isinstance(outcome, TimeoutError):
+                results.append((name, self._timed_out(name)))
+            elif isinstance(outcome, Exception):
+                results.append((name, self._failed(name, outcome)))
+            else:
+                results.append((name, outcome))
+        return results
+
+
+def tool_suffix_ids(agent: AgentSettings) -> Callable[[list[dict]], list[int]]:
+    """GRPOTrainer's ``_get_tool_suffix_ids`` (the tokens the chat template renders for tool messages after an
+    assistant turn, up to the next generation prompt), bound to the thread's tokenizer instead of the trainer."""
+    owner = SimpleNamespace(
+        processing_class=agent.tokenizer,
+        _tokenizer=getattr(agent.tokenizer, "tokenizer", agent.tokenizer),
+        chat_template=agent.chat_template,
+        chat_template_kwargs=agent.chat_template_kwargs,
+        _is_vlm=False,
+    )
+    return lambda tool_messages: GRPOTrainer._get_tool_suffix_ids(owner, tool_messages)
+
+
+def parse_completion(agent: AgentSettings, ids: list[int], prefix: list[int], tools: list) -> dict:
+    """One assistant message from generated ids, with its tool calls parsed (TRL's ``parse_response``)."""
+    tokenizer = agent.tokenizer
+    if getattr(tokenizer, "response_template", None) is not None or getattr(tokenizer, "response_schema", None):
+        from trl.chat_template_utils import parse_response
+
+        return parse_response(tokenizer, ids, prefix=prefix, tools=tools)
+    return {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
+
+
+def generate_with_tools(
+    agent: AgentSettings,
+    backend: GenerationBackend,
+    prompts: list,
+    prompt_ids: list[list[int]],
+    environments: list | None,
+    names: list | None,
+    should_stop: Callable[[], bool] | None,
+    seed: int | None,
+) -> Trajectories:
+    """Generate, execute tool calls and continue, for one local batch (see the module doc)."""
+    timings = {"weight_load": 0.0, "generation": 0.0}
+    batch = len(prompt_ids)
+    tools_per_row = prompt_tools(agent, names, batch)
+    conversations = copy.deepcopy(prompts)
+    suffix_ids = tool_suffix_ids(agent)
+    caller = ToolCaller(agent.tool_call_timeout, agent.async_loop, should_stop)
+    functions = [
+        tool_functions(agent.standalone_tools, environments[i] if environments else None) for i in range(batch)
+    ]
+
+    def generate(ids_list, turn):
+        if turn > 0 and agent.refresh_between_turns:
+            start = time.perf_counter()
+            backend.refresh()
+            timings["weight_load"] += time.perf_counter() - start
+        version = backend.version
+        start = time.perf_counter()
+        generated = backend.generate(ids_list, should_stop, turn_seed(seed, turn))
+        timings["generation"] += time.perf_counter() - start - generated.timings.get("behavior_logps", 0.0)
+        timings["behavior_logps"] = timings.get("behavior_logps", 0.0) + generated.timings.get("behavior_logps", 0.0)
+        logps = [[float(x) for x in row.tolist()] for row in generated.logps]
+        return [list(ids) for ids in generated.completion_ids], logps, version
+
+    completion_ids, logps, version = generate(prompt_ids, 0)
+    versions = [[version] * len(ids) for ids in completion_ids]
+    tool_mask = [[1] * len(ids) for ids in completion_ids]
+    turns = [1] * batch
+    completions = [
+        [parse_completion(agent, ids, prompt_ids[i], tools_per_row[i])] for i, ids in enumerate(completion_ids)
+    ]
+    if not agent.tools:  # environments without tool methods: one turn, as GRPOTrainer (no tool loop, no tool mask)
+        timings["tools"] = 0.0
+        return Trajectories(completion_ids, logps, versions, completions, None, turns, timings=timings)
+    active = [i for i in range(batch) if completions[i][0].get("tool_calls")]
+    calls = {i: completions[i][0]["tool_calls"] for i in active}
+    turn = 0
+    while active and turn < agent.max_tool_calling_iterations:
+        turn += 1
+        extended = {}
+        for i in active:
+            before = (len(completions[i]), len(conversations[i]))
+            conversations[i].append(completions[i][-1])
+            results = caller.run(calls[i], *functions[i])
+            messages = []
+            for name, result in results:
+                content = result if isinstance(result, list) else str(result)
+                messages.append({"role": "tool", "name": name, "content": content})
+            conversations[i].extend(messages)
+            completions[i].extend(messages)
+            ids = prompt_ids[i] + completion_ids[i] + suffix_ids(messages)
+            overlong = len(ids) - len(prompt_ids[i]) > agent.max_completion_length or len(ids) >= agent.max_model_len
+            if overlong:  # the tool result does not fit: drop it, the row ends with its completion as it is
+                del completions[i][before[0] :]
+                del conversations[i][before[1] :]
+                continue
+            extended[i] = ids
+        active = list(extended)
+        if not active:
+            break
+        new_ids, new_logps, version = generate([extended[i] for i in active], turn)
+        for i, ids, row_logps in zip(active, new_ids, new_logps, strict=True):
+            tool_length = len(extended[i]) - len(prompt_ids[i]) - len(completion_ids[i])
+            budget = agent.max_completion_length - (len(extended[i]) - len(prompt_ids[i]))
+            ids, row_logps = ids[: max(budget, 0)], row_logps[: max(budget, 0)]
+            tool_mask[i] += [0] * tool_length + [1] * len(ids)
+            logps[i] += [0.0] * tool_length + row_logps
+            versions[i] += [NO_VERSION] * tool_length + [version] * len(ids)
+            completion_ids[i] = extended[i][len(prompt_ids[i]) :] + ids
+            turns[i] += 1
+            message = parse_completion(agent, ids, extended[i], tools_per_row[i]) if ids else {}
+            if message:
+                completions[i].append(message)
+            calls[i] = message.get("tool_calls")
+        active = [i for i in active if calls.get(i)]
+    timings["tools"] = caller.seconds
+    return Trajectories(
+        completion_ids=completion_ids,
+        logps=logps,
+        versions=versions,
+        completions=completions,
+        tool_mask=tool_mask,
+        turns=turns,
+        tool_calls=caller.calls,
+        tool_failures=caller.failures,
+        tool_timeouts=caller.timeouts,
+        timings=timings,
+    )
+
+
+def agent_settings(trainer, tokenizer, refresh_between_turns: bool) -> AgentSettings | None:
+    """The multi-turn settings of a GRPOTrainer set up with ``tools`` or ``environment_factory`` (None otherwise),
+    read once in the main thread; ``tokenizer`` is the generation thread's own copy."""
+    factories = getattr(trainer, "environment_factories", None)
+    if not trainer.tools and factories is None:
+        return None
+    if factories is not None:
+        environment_tools = dict(trainer._env_tools)
+    else:
+        environment_tools = {}
+    backend_limit = trainer.args.vllm_max_model_length if trainer.args.use_vllm else None
+    config = trainer._unwrapped_model().config
+    model_limit = getattr(getattr(config, "text_config", config), "max_position_embeddings", None)
+    return AgentSettings(
+        tokenizer=tokenizer,
+        chat_template=trainer.chat_template,
+        chat_template_kwargs=dict(trainer.chat_template_kwargs),
+        standalone_tools=list(trainer._standalone_tools),
+        environment_factories=factories,
+        environment_tools=environment_tools,
+        multi_environment=bool(getattr(trainer, "_multi_environment", False)),
+        max_tool_calling_iterations=trainer.max_tool_calling_iterations,
+        max_completion_length=trainer.max_completion_length,
+        max_model_len=backend_limit or model_limit or (1 << 62),
+        tool_call_timeout=trainer.args.tool_call_timeout,
+        refresh_between_turns=refresh_between_turns,
+        async_loop=getattr(trainer, "async_loop", None),
+    )
