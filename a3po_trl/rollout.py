@@ -17,6 +17,7 @@ import torch
 from trl.data_utils import is_conversational
 from trl.trainer.utils import pad
 
+from .custom_rollout import run_rollout_func
 from .generation.backend import GenerationBackend, pad_rows
 from .generation.engine import ScoredBatch
 from .multi_turn import (
@@ -55,6 +56,10 @@ class RolloutSettings:
     chat_template_kwargs: dict = field(default_factory=dict)
     agent: AgentSettings | None = None
     """Tools and environments (multi-turn rollouts), or None."""
+    rollout_func: Callable | None = None
+    """GRPOTrainer's ``rollout_func(prompts, trainer)`` (see :mod:`a3po_trl.custom_rollout`), or None."""
+    rollout_owner: Any = None
+    """What ``rollout_func`` receives as its trainer."""
 
 
 def run_rollout(
@@ -73,8 +78,13 @@ def run_rollout(
     (``settings.agent``) the rollout is multi-turn (:mod:`a3po_trl.multi_turn`).
     """
     seed = settings.sampling_seeds(index) if settings.sampling_seeds is not None else None
-    environments = None
-    if settings.agent is not None:
+    environments, extra_fields = None, {}
+    if settings.rollout_func is not None:
+        prompts = [row["prompt"] for row in rows]
+        prompt_ids_list, trajectories, extra_fields = run_rollout_func(
+            settings.rollout_func, settings.rollout_owner, backend, prompts, settings.decode, should_stop, seed
+        )
+    elif settings.agent is not None:
         prompts, environments, names = prepare_agent_prompts(settings.agent, rows)
         if not is_conversational({"prompt": prompts[0]}):
             raise ValueError(
@@ -118,11 +128,12 @@ def run_rollout(
             tool_mask = tool_mask * (~is_truncated).unsqueeze(1).long()
         tensors["tool_mask"] = tool_mask
         tensors["completion_lengths"] = torch.tensor([sum(mask) for mask in trajectories.tool_mask])
-        tensors["tool_result_lengths"] = torch.tensor([len(m) - sum(m) for m in trajectories.tool_mask])
-        tensors["turns"] = torch.tensor(trajectories.turns)
-        tensors["tool_counts"] = torch.tensor(
-            [trajectories.tool_calls, trajectories.tool_failures, trajectories.tool_timeouts]
-        )
+        if settings.agent is not None:  # tool statistics, logged as GRPOTrainer logs them with tools
+            tensors["tool_result_lengths"] = torch.tensor([len(m) - sum(m) for m in trajectories.tool_mask])
+            tensors["turns"] = torch.tensor(trajectories.turns)
+            tensors["tool_counts"] = torch.tensor(
+                [trajectories.tool_calls, trajectories.tool_failures, trajectories.tool_timeouts]
+            )
     else:
         tensors["completion_lengths"] = torch.tensor([len(ids) for ids in completion_ids_list])
 
@@ -136,6 +147,7 @@ def run_rollout(
     }
     if environments is not None:
         extra_kwargs["environments"] = environments
+    extra_kwargs.update(extra_fields)  # what a rollout_func returned besides ids and log-probs
     start = time.perf_counter()
     rewards_per_func = score_completions(
         settings.reward_funcs,

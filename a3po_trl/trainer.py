@@ -33,6 +33,7 @@ from trl.data_utils import is_conversational
 from trl.trainer.utils import add_fused_lm_head, shuffle_sequence_dict, split_tensor_dict, use_adapter
 
 from .config import AsyncA3POConfig
+from .custom_rollout import generate_completions
 from .distributed import destroy_process_group_at_exit
 from .generation import GenerationBackend, GenerationEngine, HFGenerateBackend, HFGenerationSettings
 from .generation.hf_generate import generation_target
@@ -101,7 +102,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
                 "the same arguments: AsyncA3POConfig(**your_grpo_kwargs)."
             )
         check_supported(args, kwargs)
-        check_train_dataset(train_dataset)
+        check_train_dataset(train_dataset, environment_owns_prompts=kwargs.get("environment_factory") is not None)
         # vLLM is this trainer's own generation backend (generation/vllm_*.py), driven by the generation thread:
         # GRPOTrainer must not build its synchronous one, so it is constructed as if use_vllm were off.
         self._use_vllm_backend = bool(args.use_vllm)
@@ -313,7 +314,16 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             agent=agent_settings(
                 self, tokenizer, self.args.refresh_weights_between_turns and not self.args.reproducible_generation
             ),
+            rollout_func=self.rollout_func,
+            rollout_owner=self,
         )
+
+    @staticmethod
+    def generate_completions(prompt_ids: list[list[int]]) -> dict[str, list]:
+        """For a ``rollout_func``: generate one completion per row of ``prompt_ids`` (token ids) with the weights of
+        the batch being rolled out, returning ``{"completion_ids", "logprobs"}`` (the behavior log-probs its output
+        must carry). Callable only from inside a ``rollout_func`` (see :mod:`a3po_trl.custom_rollout`)."""
+        return generate_completions(prompt_ids)
 
     def _sampling_seeds(self, batch_numbers):
         """Seed of each batch's random stream: from ``args.seed``, the process and the batch's global number, so every

@@ -28,21 +28,22 @@ def check_supported(args: GRPOConfig, kwargs: dict) -> None:
             "behavior log-probs are the engine's (of the temperature-scaled distribution, processed_logprobs). Set "
             "behavior_logps_source='generation'."
         )
-    if kwargs.get("rollout_func") is not None:
+    if kwargs.get("rollout_func") is not None and (kwargs.get("tools") or kwargs.get("environment_factory")):
         raise NotImplementedError(
-            "`rollout_func` is not supported by AsyncA3POTrainer yet: a custom rollout generates with weights the "
-            "generation thread cannot version. Multi-turn rollouts with `tools=[...]` or `environment_factory` are "
-            "supported (they run in the generation thread); train with a custom rollout_func with trl.GRPOTrainer."
+            "rollout_func together with tools or environment_factory is not supported by AsyncA3POTrainer: pass "
+            "either a rollout_func (which then runs its own tool calls) or tools / environment_factory."
         )
 
 
-def check_train_dataset(dataset) -> None:
+def check_train_dataset(dataset, environment_owns_prompts: bool = False) -> None:
+    """A dataset the trainer can draw generation batches from (with an ``environment_factory``, the environment's
+    ``reset`` may supply the prompts, so a ``prompt`` column is optional, as in GRPOTrainer)."""
     if dataset is None or isinstance(dataset, IterableDataset):
         return
     if len(dataset) == 0:
         raise ValueError("train_dataset is empty; it needs at least one generation batch worth of prompts.")
     columns = getattr(dataset, "column_names", None)
-    if columns is not None and "prompt" not in columns:
+    if columns is not None and "prompt" not in columns and not environment_owns_prompts:
         raise ValueError(
             f"train_dataset has no 'prompt' column (columns: {columns}). Rename the column holding the prompts, "
             "e.g. dataset.rename_column('question', 'prompt')."

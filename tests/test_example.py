@@ -77,8 +77,11 @@ def _check_outputs(out: Path, steps: int = STEPS) -> dict:
 
 def test_python_full_fine_tuning(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
-    stdout = _run([sys.executable, str(SCRIPT), "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out)]
-                  + SMALL_RUN + ["--use_peft", "false"])  # fmt: skip (the script's default is LoRA)
+    stdout = _run(
+        [sys.executable, str(SCRIPT), "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out)]
+        + SMALL_RUN
+        + ["--use_peft", "false"]
+    )  # fmt: skip (the script's default is LoRA)
     assert "[rank 0/1] training done: global_step=2" in stdout
     assert "Held-out accuracy before:" in stdout and "Held-out accuracy after:" in stdout
     assert f"Plot:    {out / 'training.png'}" in stdout

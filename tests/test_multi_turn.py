@@ -502,3 +502,71 @@ def test_slow_and_raising_tools_through_train(tool_tokenizer, tmp_path):
     trainer.train()
     assert logged(trainer, "tools/failure_frequency") == [1.0, 1.0]
     assert logged(trainer, "tools/timeout_frequency") == pytest.approx([1 / 3, 1 / 3])
+
+
+# ---- rollout_func -------------------------------------------------------------------------------------------------
+def test_rollout_func_runs_in_the_generation_thread_with_versioned_weights(tokenizer, tmp_path):
+    """A custom rollout: generate with the batch's weights, append 'environment feedback' tokens (env_mask 0) and
+    continue; the extra field it returns reaches the reward function."""
+    threads, feedback = [], encode(tokenizer, " [ok] ")
+
+    def rollout(prompts, trainer):
+        threads.append(threading.current_thread().name)
+        prompt_ids = [encode(tokenizer, p) for p in prompts]
+        first = trainer.generate_completions(prompt_ids)
+        second = trainer.generate_completions([p + c + feedback for p, c in zip(prompt_ids, first["completion_ids"])])
+        completion_ids, logprobs, env_mask = [], [], []
+        for c1, l1, c2, l2 in zip(first["completion_ids"], first["logprobs"], *second.values()):
+            completion_ids.append(c1 + feedback + c2)
+            logprobs.append(l1 + [0.0] * len(feedback) + l2)
+            env_mask.append([1] * len(c1) + [0] * len(feedback) + [1] * len(c2))
+        return {
+            "prompt_ids": prompt_ids,
+            "completion_ids": completion_ids,
+            "logprobs": logprobs,
+            "env_mask": env_mask,
+            "turns": [2] * len(prompts),
+        }
+
+    seen_turns = []
+
+    def reward(completions, turns, **kwargs):
+        seen_turns.extend(turns)
+        return [float(len(c)) for c in completions]
+
+    model = make_model(tokenizer)
+    args = AsyncA3POConfig(output_dir=str(tmp_path / "out"), **{**TOOL_COMMON, "max_completion_length": 8, "max_steps": 3})
+    trainer = AsyncA3POTrainer(
+        model=model,
+        reward_funcs=[reward],
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": [f"{i} plus one is" for i in range(6)]}),
+        processing_class=tokenizer,
+        rollout_func=rollout,
+    )
+    seen = record_inputs(trainer)
+    trainer.train()
+    assert set(threads) == {"a3po-generation"} and len(threads) == 3
+    assert seen_turns == [2] * 9
+    for inputs in seen:
+        tool_mask, mask = inputs["tool_mask"], inputs["completion_mask"].bool()
+        versions = inputs["policy_version"]
+        assert ((tool_mask == 0) & mask).sum(1).tolist() == [len(feedback)] * 3
+        assert (versions[(tool_mask == 0) & mask] == NO_VERSION).all()
+        assert (versions[(tool_mask == 1) & mask] >= 0).all()
+    with pytest.raises(RuntimeError, match="only be called from a rollout_func"):
+        trainer.generate_completions([[1, 2]])
+
+
+def test_rollout_func_missing_keys_reach_train(tokenizer, tmp_path):
+    args = AsyncA3POConfig(output_dir=str(tmp_path / "out"), **{**TOOL_COMMON, "max_completion_length": 8, "max_steps": 3})
+    trainer = AsyncA3POTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=[zero_reward],
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": [f"{i} plus one is" for i in range(6)]}),
+        processing_class=tokenizer,
+        rollout_func=lambda prompts, trainer: {"prompt_ids": [[1]] * len(prompts)},
+    )
+    with pytest.raises(ValueError, match=r"rollout_func must return keys \['completion_ids', 'logprobs'\]"):
+        trainer.train()

@@ -66,15 +66,16 @@ def test_unsupported_options_are_rejected_before_the_model_loads(tokenizer, tmp_
         make_trainer(tokenizer, tmp_path, model="does-not-exist/never-loaded", **overrides)
 
 
-def test_rollout_func_is_rejected_with_what_to_use_instead(tokenizer, tmp_path):
+def test_rollout_func_with_tools_is_rejected(tokenizer, tmp_path):
     args = AsyncA3POConfig(output_dir=str(tmp_path), **COMMON)
-    with pytest.raises(NotImplementedError, match="`rollout_func` is not supported.*tools.*trl.GRPOTrainer"):
+    with pytest.raises(NotImplementedError, match="rollout_func together with tools"):
         AsyncA3POTrainer(
             model="does-not-exist/never-loaded",
             reward_funcs=[length_reward],
             args=args,
             train_dataset=make_prompts(8),
             rollout_func=length_reward,
+            tools=[length_reward],
         )
 
 

@@ -111,5 +111,6 @@ def main():
     # No explicit destroy_process_group here, as in TRL's own scripts: the trainer registered it with atexit
     # (a3po_trl/distributed.py), which is what keeps gloo from aborting a rank at interpreter exit.
 
+
 if __name__ == "__main__":
     main()
