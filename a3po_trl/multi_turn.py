@@ -21,7 +21,6 @@ attended to but never enter the loss.
 from __future__ import annotations
 
 import asyncio
-import copy
 import inspect
 import logging
 import threading
@@ -312,7 +311,6 @@ def parse_completion(agent: AgentSettings, ids: list[int], prefix: list[int], to
 def generate_with_tools(
     agent: AgentSettings,
     backend: GenerationBackend,
-    prompts: list,
     prompt_ids: list[list[int]],
     environments: list | None,
     names: list | None,
@@ -323,7 +321,6 @@ def generate_with_tools(
     timings = {"weight_load": 0.0, "generation": 0.0}
     batch = len(prompt_ids)
     tools_per_row = prompt_tools(agent, names, batch)
-    conversations = copy.deepcopy(prompts)
     suffix_ids = tool_suffix_ids(agent)
     caller = ToolCaller(agent.tool_call_timeout, agent.async_loop, should_stop)
     functions = [
@@ -360,20 +357,17 @@ def generate_with_tools(
         turn += 1
         extended = {}
         for i in active:
-            before = (len(completions[i]), len(conversations[i]))
-            conversations[i].append(completions[i][-1])
+            before = len(completions[i])
             results = caller.run(calls[i], *functions[i])
             messages = []
             for name, result in results:
                 content = result if isinstance(result, list) else str(result)
                 messages.append({"role": "tool", "name": name, "content": content})
-            conversations[i].extend(messages)
             completions[i].extend(messages)
             ids = prompt_ids[i] + completion_ids[i] + suffix_ids(messages)
             overlong = len(ids) - len(prompt_ids[i]) > agent.max_completion_length or len(ids) >= agent.max_model_len
             if overlong:  # the tool result does not fit: drop it, the row ends with its completion as it is
-                del completions[i][before[0] :]
-                del conversations[i][before[1] :]
+                del completions[i][before:]
                 continue
             extended[i] = ids
         active = list(extended)

@@ -95,7 +95,7 @@ def run_rollout(
         tools = prompt_tools(settings.agent, names, len(prompts))
         prompt_ids_list = settings.tokenize_prompts(prompts, tools)
         trajectories = generate_with_tools(
-            settings.agent, backend, prompts, prompt_ids_list, environments, names, should_stop, seed
+            settings.agent, backend, prompt_ids_list, environments, names, should_stop, seed
         )
     else:
         prompts = [row["prompt"] for row in rows]

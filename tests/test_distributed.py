@@ -118,3 +118,21 @@ def test_reward_models_and_batch_normalised_advantages_use_every_process(tmp_pat
         expected, _, _ = group_advantages(rewards, torch.ones(2), 4, scale_rewards="batch")
         local = reports[0]["local_advantages"][step] + reports[1]["local_advantages"][step]
         assert torch.allclose(torch.tensor(sorted(local)), torch.sort(expected).values, atol=1e-6)
+
+
+def test_two_processes_run_multi_turn_rollouts_in_their_own_generation_threads(tmp_path):
+    """DDP with an environment and a tool: each process executes its own rollouts' tool calls in its generation
+    thread (no collective), and the tool statistics and environment rewards are reduced over both processes."""
+    reports = _launch(tmp_path, "ddp", False, 29910, "--tools")
+    for r in reports:
+        assert r["global_step"] == 4 and r["batches_consumed"] == 4
+        assert r["tool_threads"] == ["a3po-generation"]
+        assert r["generator_matches_trainer"]
+    # 8 rows per step over both processes ("What is i + ..." for i in the batch): the calls come from the rows
+    # whose number is a multiple of 3, whichever process generated them; both processes log the same reduced values
+    assert reports[0]["tool_call_frequency"] == reports[1]["tool_call_frequency"]
+    assert reports[0]["environment_rewards"] == reports[1]["environment_rewards"]
+    assert reports[0]["tool_call_frequency"] == pytest.approx(reports[0]["environment_rewards"])
+    assert 0 < sum(reports[0]["tool_call_frequency"]) < 4
+    counts = reports[0]["environment_counts"] + reports[1]["environment_counts"]
+    assert len(counts) == 8 and set(counts) <= {0, 1}

@@ -3,21 +3,15 @@
 import asyncio
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
-import trl
 from datasets import Dataset
-from tiny import make_model, make_tokenizer
-from trl.chat_template_utils import add_response_schema, get_training_chat_template
+from tiny import CALL, DONE, encode, make_model, make_tool_tokenizer, scripted_generate
 
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
 from a3po_trl.generation.backend import GeneratedCompletions, GenerationBackend, GenerationStopped
 from a3po_trl.multi_turn import NO_VERSION, AgentSettings, ToolCaller, generate_with_tools
-
-CALL = '<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call><|im_end|>'
-DONE = "Done!<|im_end|>"
 
 
 def multiply(a: int, b: int) -> int:
@@ -36,16 +30,7 @@ def multiply(a: int, b: int) -> int:
 
 @pytest.fixture(scope="module")
 def tool_tokenizer():
-    """The tiny byte-level tokenizer with Qwen3's chat template (tool calls in <tool_call> tags) and its parser."""
-    tokenizer = make_tokenizer()
-    tokenizer.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text()
-    tokenizer = add_response_schema(tokenizer)
-    tokenizer.chat_template = get_training_chat_template(tokenizer)  # prefix-preserving, as GRPOTrainer makes it
-    return tokenizer
-
-
-def encode(tokenizer, text):
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return make_tool_tokenizer()
 
 
 class ScriptedBackend(GenerationBackend):
@@ -186,7 +171,7 @@ def test_every_token_records_the_version_that_generated_it(tool_tokenizer, refre
     settings = agent(tool_tokenizer, [publishing_multiply], refresh_between_turns=refresh)
     prompts = [[{"role": "user", "content": "3 times 4?"}], [{"role": "user", "content": "hi"}]]
     prompt_ids = render(tool_tokenizer, prompts, [publishing_multiply])
-    out = generate_with_tools(settings, backend, prompts, prompt_ids, None, None, None, seed=7)
+    out = generate_with_tools(settings, backend, prompt_ids, None, None, None, seed=7)
 
     call_ids = encode(tool_tokenizer, CALL.format(name="multiply", arguments='{"a": 3, "b": 4}'))
     done_ids = encode(tool_tokenizer, DONE)
@@ -219,7 +204,6 @@ def test_turn_limit_and_completion_budget_end_a_trajectory(tool_tokenizer):
     limited = generate_with_tools(
         agent(tool_tokenizer, [multiply], max_tool_calling_iterations=2),
         backend,
-        prompts,
         prompt_ids,
         None,
         None,
@@ -233,7 +217,6 @@ def test_turn_limit_and_completion_budget_end_a_trajectory(tool_tokenizer):
     short = generate_with_tools(
         agent(tool_tokenizer, [multiply], max_completion_length=budget),
         backend,
-        prompts,
         prompt_ids,
         None,
         None,
@@ -247,18 +230,6 @@ def test_turn_limit_and_completion_budget_end_a_trajectory(tool_tokenizer):
 
 
 # ---- through the trainer ----------------------------------------------------------------------------------------
-def scripted_generate(tokenizer, script):
-    """A stand-in for ``generate`` (set on the model before training; the generator's copy keeps it)."""
-
-    def generate(input_ids, attention_mask=None, **kwargs):
-        rows = [encode(tokenizer, script(tokenizer.decode(ids, skip_special_tokens=False))) for ids in input_ids]
-        width = max(len(r) for r in rows)
-        rows = [r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows]
-        return torch.cat([input_ids, torch.tensor(rows, dtype=input_ids.dtype)], dim=1)
-
-    return generate
-
-
 TOOL_COMMON = dict(
     per_device_train_batch_size=3,
     num_generations=3,
@@ -535,7 +506,9 @@ def test_rollout_func_runs_in_the_generation_thread_with_versioned_weights(token
         return [float(len(c)) for c in completions]
 
     model = make_model(tokenizer)
-    args = AsyncA3POConfig(output_dir=str(tmp_path / "out"), **{**TOOL_COMMON, "max_completion_length": 8, "max_steps": 3})
+    args = AsyncA3POConfig(
+        output_dir=str(tmp_path / "out"), **{**TOOL_COMMON, "max_completion_length": 8, "max_steps": 3}
+    )
     trainer = AsyncA3POTrainer(
         model=model,
         reward_funcs=[reward],
@@ -559,7 +532,9 @@ def test_rollout_func_runs_in_the_generation_thread_with_versioned_weights(token
 
 
 def test_rollout_func_missing_keys_reach_train(tokenizer, tmp_path):
-    args = AsyncA3POConfig(output_dir=str(tmp_path / "out"), **{**TOOL_COMMON, "max_completion_length": 8, "max_steps": 3})
+    args = AsyncA3POConfig(
+        output_dir=str(tmp_path / "out"), **{**TOOL_COMMON, "max_completion_length": 8, "max_steps": 3}
+    )
     trainer = AsyncA3POTrainer(
         model=make_model(tokenizer),
         reward_funcs=[zero_reward],

@@ -138,3 +138,40 @@ def make_vllm_model(tokenizer, seed: int = 0, tie_word_embeddings: bool = True) 
         num_key_value_heads=1,
         tie_word_embeddings=tie_word_embeddings,
     )
+
+
+CALL = '<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call><|im_end|>'
+"""A tool call in Qwen3's syntax (``CALL.format(name=..., arguments='{"a": 1}')``)."""
+DONE = "Done!<|im_end|>"
+
+
+def make_tool_tokenizer() -> PreTrainedTokenizerFast:
+    """The byte-level tokenizer with Qwen3's chat template (tool calls in <tool_call> tags), its response parser, and
+    the prefix-preserving training template GRPOTrainer switches to for tools."""
+    from pathlib import Path
+
+    import trl
+    from trl.chat_template_utils import add_response_schema, get_training_chat_template
+
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text()
+    tokenizer = add_response_schema(tokenizer)
+    tokenizer.chat_template = get_training_chat_template(tokenizer)
+    return tokenizer
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def scripted_generate(tokenizer, script):
+    """A stand-in for a model's ``generate`` (set on the model before training; the generator's copy keeps it):
+    each row continues with ``script(decoded_row)``."""
+
+    def generate(input_ids, attention_mask=None, **kwargs):
+        rows = [encode(tokenizer, script(tokenizer.decode(ids, skip_special_tokens=False))) for ids in input_ids]
+        width = max(len(r) for r in rows)
+        rows = [r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows]
+        return torch.cat([input_ids, torch.tensor(rows, dtype=input_ids.dtype)], dim=1)
+
+    return generate

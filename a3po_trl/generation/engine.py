@@ -1,8 +1,9 @@
 """The generation engine: the versioned sample queue and the admission-controlled producer loop, in a thread.
 
 The engine knows nothing of which backend generates (:mod:`a3po_trl.generation.backend`): it asks the backend to load
-the newest published weights between batches, so that every token of a batch comes from one weight version, and tags
-the batch with that version. It never runs a collective: everything it does is local to its process.
+the newest published weights (or, reproducibly, the assigned ones) between batches and tags the batch with that
+version; a multi-turn rollout may load newer weights between turns, and records the version of every token. It never
+runs a collective: everything it does is local to its process.
 """
 
 from __future__ import annotations
@@ -259,7 +260,7 @@ class GenerationEngine:
         batch.index = index
         batch.version = version
         batch.timings["generator_wait_for_staleness_bound"] = waited
-        batch.timings["weight_load"] = loaded
+        batch.timings["weight_load"] = loaded + batch.timings.get("weight_load", 0.0)  # + between turns
         batch.timings["rollout"] = time.perf_counter() - start
         self.produced += 1
         return batch

@@ -1,6 +1,10 @@
 """Train a tiny model under `accelerate launch` and write one JSON report per rank (used by test_distributed.py).
 
-accelerate launch --config_file CONFIG tests/scripts/distributed_tiny.py OUT_DIR [--lora] [--reward-model]
+accelerate launch --config_file CONFIG tests/scripts/distributed_tiny.py OUT_DIR [--lora] [--reward-model] [--tools]
+
+``--tools`` trains with an environment (a counter tool and an environment-owned reward) through a scripted
+``generate`` that calls the tool on a third of the rows: the report then says which threads ran the tool calls and
+the logged tool statistics.
 
 ``--reward-model`` adds a reward model beside the reward function and normalises advantages with the batch's std
 (``scale_rewards="batch"``), both of which need every process: the report then says which thread ran the reward
@@ -14,7 +18,17 @@ import threading
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from tiny import length_reward, make_model, make_prompts, make_reward_model, make_tokenizer  # noqa: E402
+from tiny import (  # noqa: E402
+    CALL,
+    DONE,
+    length_reward,
+    make_model,
+    make_prompts,
+    make_reward_model,
+    make_tokenizer,
+    make_tool_tokenizer,
+    scripted_generate,
+)
 
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer  # noqa: E402
 from a3po_trl import trainer as trainer_module  # noqa: E402
@@ -25,7 +39,8 @@ def main():
     out_dir = sys.argv[1]
     lora = "--lora" in sys.argv
     with_reward_model = "--reward-model" in sys.argv
-    tokenizer = make_tokenizer()
+    with_tools = "--tools" in sys.argv
+    tokenizer = make_tool_tokenizer() if with_tools else make_tokenizer()
     peft_config = None
     if lora:
         from peft import LoraConfig
@@ -63,14 +78,22 @@ def main():
         disable_tqdm=True,
         scale_rewards="batch" if with_reward_model else "group",
     )
+    model, tool_threads, extra = make_model(tokenizer), [], {}
+    if with_tools:
+        model = make_model(tokenizer, max_position_embeddings=2048)
+        model.generate = scripted_generate(tokenizer, _counter_script)
+        extra["environment_factory"] = _counter_environment(tool_threads)
+        reward_funcs = []
+        args.max_completion_length = 256
     trainer = AsyncA3POTrainer(
-        model=make_model(tokenizer),
+        model=model,
         reward_funcs=reward_funcs,
         args=args,
         train_dataset=make_prompts(32),
         processing_class=tokenizer,
         reward_processing_classes=reward_processing_classes,
         peft_config=peft_config,
+        **extra,
     )
     local_advantages = []
     take = trainer._take_scored_batch
@@ -105,11 +128,49 @@ def main():
         "reward_model_threads": sorted(set(reward_model_threads)),
         "advantage_calls": advantage_calls,
         "local_advantages": local_advantages,
+        "tool_threads": sorted(set(tool_threads)),
+        "environment_counts": [e.count for e in trainer.environments or []],
+        "tool_call_frequency": [
+            h["tools/call_frequency"] for h in trainer.state.log_history if "tools/call_frequency" in h
+        ],
+        "environment_rewards": [
+            h["rewards/Counter/mean"] for h in trainer.state.log_history if "rewards/Counter/mean" in h
+        ],
     }
     with open(os.path.join(out_dir, f"rank{report['rank']}.json"), "w") as f:
         json.dump(report, f)
     # No explicit destroy_process_group here, as in TRL's own scripts: the trainer registered it with atexit
     # (a3po_trl/distributed.py), which is what keeps gloo from aborting a rank at interpreter exit.
+
+
+def _counter_script(text):
+    """Every third row (by its number in the prompt) calls the environment's tool, the others answer."""
+    if "<tool_response>" in text:
+        return DONE
+    number = int(text.split("What is ")[-1].split(" ")[0])
+    return CALL.format(name="increment", arguments='{"step": 1}') if number % 3 == 0 else "No.<|im_end|>"
+
+
+def _counter_environment(tool_threads):
+    class Counter:
+        def reset(self, **kwargs):
+            self.count = 0
+
+        def increment(self, step: int) -> int:
+            """
+            Increment the counter.
+
+            Args:
+                step: Value to add.
+            """
+            tool_threads.append(threading.current_thread().name)
+            self.count += step
+            return self.count
+
+        def get_reward(self) -> float:
+            return float(self.count)
+
+    return Counter
 
 
 if __name__ == "__main__":
