@@ -62,6 +62,7 @@ class AgentSettings:
     refresh_between_turns: bool = True
     async_loop: Any = None
     _pool: dict = field(default_factory=dict)
+    _warned_tools: set = field(default_factory=set)
 
     @property
     def tools(self) -> list:
@@ -170,7 +171,14 @@ class ToolCaller:
     running after it gives a timeout error (synchronous tools then run in a daemon worker thread). A stop request
     (``should_stop``) ends the wait."""
 
-    def __init__(self, timeout: float | None, async_loop, should_stop: Callable[[], bool] | None, poll: float = 0.05):
+    def __init__(
+        self,
+        timeout: float | None,
+        async_loop,
+        should_stop: Callable[[], bool] | None,
+        poll: float = 0.05,
+        warned: set[str] | None = None,
+    ):
         self.timeout = timeout
         self.async_loop = async_loop
         self.should_stop = should_stop or (lambda: False)
@@ -179,7 +187,8 @@ class ToolCaller:
         self.failures = 0
         self.timeouts = 0
         self.seconds = 0.0
-        self._warned: set[str] = set()
+        self._warned = warned if warned is not None else set()
+        """Tools whose failure was already logged (shared by the callers of one run: one warning per tool)."""
 
     def run(self, tool_calls: list[dict], sync_tools: dict, async_tools: dict) -> list[tuple[str, Any]]:
         """``(name, result)`` for every call, the synchronous ones first, then the ``async def`` ones (TRL's order)."""
@@ -322,7 +331,7 @@ def generate_with_tools(
     batch = len(prompt_ids)
     tools_per_row = prompt_tools(agent, names, batch)
     suffix_ids = tool_suffix_ids(agent)
-    caller = ToolCaller(agent.tool_call_timeout, agent.async_loop, should_stop)
+    caller = ToolCaller(agent.tool_call_timeout, agent.async_loop, should_stop, warned=agent._warned_tools)
     functions = [
         tool_functions(agent.standalone_tools, environments[i] if environments else None) for i in range(batch)
     ]

@@ -4,7 +4,9 @@ The model (SmolLM2-135M-Instruct, LoRA) may call `calculator(expression)`; the t
 conversation and the model continues, all in the generation thread, overlapping training. Tool-result tokens are
 masked out of the loss, and every generated token records the weight version that generated it (a trajectory whose
 turns span an update is staled token by token). Rewards: `correctness_reward` (1.0 for the right final number) and
-`tool_use_reward` (0.2 for at least one calculator call that returned a value), weighted 1.0 and 1.0.
+`tool_use_reward` (0.2 for at least one calculator call that returned a value), weighted 1.0 and 1.0. Each prompt
+carries one worked example (a call, its result, the answer) and a cue, without which the 135M model almost never
+writes a well-formed call.
 
     python examples/train_calculator_agent.py --output_dir outputs/agent
     python examples/train_calculator_agent.py --async_generation false        # the same run, synchronous generation
@@ -38,6 +40,23 @@ from a3po_trl.rewards import correctness_reward
 from a3po_trl.tasks import make_math_splits
 
 SYSTEM_PROMPT = "Use the calculator tool for arithmetic. End your final answer with '#### <number>'."
+#: Appended to every problem: without it (and the worked example below) SmolLM2-135M almost never writes a tool call
+#: (log-prob of "<tool_call>" as its first tokens: -5 to -10); with both, about a third of its samples at
+#: temperature 0.7 are well-formed calls.
+CUE = "\nUse the calculator. Start your reply with <tool_call>"
+#: One worked example, as conversation turns before the problem: a call, its result, the final answer.
+WORKED_EXAMPLE = [
+    {"role": "user", "content": "A book costs $12. How many dollars do 3 books cost?" + CUE},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12 * 3"}}}
+        ],
+    },
+    {"role": "tool", "name": "calculator", "content": "36"},
+    {"role": "assistant", "content": "3 books cost 12 * 3 = 36 dollars.\n#### 36"},
+]
 _OPERATORS = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
@@ -113,12 +132,20 @@ def tool_tokenizer(model_path: str):
     return tokenizer
 
 
+def with_worked_example(row: dict) -> dict:
+    """The problem's prompt as: system message, the worked example, the problem with the cue."""
+    system, *rest = row["prompt"]
+    *earlier, question = rest
+    return {"prompt": [system, *WORKED_EXAMPLE, *earlier, {**question, "content": question["content"] + CUE}]}
+
+
 def main(agent_args: AgentArguments, training_args: AsyncA3POConfig, model_args: ModelConfig) -> dict:
     model_path = resolve_model_path(model_args.model_name_or_path)
     difficulty = int(agent_args.difficulty) if agent_args.difficulty.isdigit() else agent_args.difficulty
     train_dataset, _ = make_math_splits(
         agent_args.num_train, 1, difficulty, agent_args.dataset_seed, system_prompt=SYSTEM_PROMPT
     )
+    train_dataset = train_dataset.map(with_worked_example)
     trainer = AsyncA3POTrainer(
         model=model_path,
         reward_funcs=[correctness_reward, tool_use_reward],

@@ -135,6 +135,40 @@ def test_training_with_vllm_keeps_the_staleness_bound_and_matches_the_engine(tok
     trainer._backend.close()
 
 
+def test_a_multi_turn_rollout_generates_every_turn_with_the_engine_and_its_logps_match(tokenizer, tmp_path):
+    """A rollout_func continues each completion after appended 'environment' tokens (a second engine call on the
+    longer prefix): the engine's log-probs of both turns match the trainer's forward over the whole sequence, and the
+    appended tokens carry no version and stay out of the loss."""
+    feedback = tokenizer(" [ok] ", add_special_tokens=False)["input_ids"]
+
+    def rollout(prompts, trainer):
+        prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        first = trainer.generate_completions(prompt_ids)
+        second = trainer.generate_completions([p + c + feedback for p, c in zip(prompt_ids, first["completion_ids"])])
+        rows = zip(first["completion_ids"], first["logprobs"], second["completion_ids"], second["logprobs"])
+        out = {"prompt_ids": prompt_ids, "completion_ids": [], "logprobs": [], "env_mask": []}
+        for c1, l1, c2, l2 in rows:
+            out["completion_ids"].append(c1 + feedback + c2)
+            out["logprobs"].append(l1 + [0.0] * len(feedback) + l2)
+            out["env_mask"].append([1] * len(c1) + [0] * len(feedback) + [1] * len(c2))
+        return out
+
+    args = AsyncA3POConfig(output_dir=str(tmp_path / "out"), **{**COMMON, "max_steps": 2, "max_staleness": 0})
+    trainer = AsyncA3POTrainer(
+        model=make_vllm_model(tokenizer),
+        reward_funcs=[length_reward],
+        args=args,
+        train_dataset=make_prompts(16, conversational=False),
+        processing_class=tokenizer,
+        rollout_func=rollout,
+    )
+    trainer.train()
+    mismatch = logged(trainer, "a3po/behavior_mismatch_max")
+    assert len(mismatch) == 2 and max(mismatch) < LOGP_TOLERANCE  # staleness 0 everywhere: every model token
+    assert logged(trainer, "completions/mean_length")[0] > len(feedback)  # both turns generated something
+    trainer._backend.close()
+
+
 def test_lora_configs_vllm_cannot_serve_are_merged_and_still_match(tokenizer, tmp_path, caplog):
     trainer = make_vllm_trainer(tokenizer, tmp_path, peft_config=lora_config(use_dora=True))
     with caplog.at_level(logging.WARNING):
