@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 from datasets import Dataset
+from test_trainer import COMMON, logged
 from tiny import CALL, DONE, encode, make_model, make_tool_tokenizer, scripted_generate
 
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
@@ -230,17 +231,8 @@ def test_turn_limit_and_completion_budget_end_a_trajectory(tool_tokenizer):
 
 
 # ---- through the trainer ----------------------------------------------------------------------------------------
-TOOL_COMMON = dict(
-    per_device_train_batch_size=3,
-    num_generations=3,
-    max_completion_length=256,
-    logging_steps=1,
-    report_to="none",
-    use_cpu=True,
-    save_strategy="no",
-    learning_rate=1e-2,
-    seed=0,
-)
+#: test_trainer's settings with groups of 3 and room for a tool call, its result and an answer
+TOOL_COMMON = {**COMMON, "per_device_train_batch_size": 3, "num_generations": 3, "max_completion_length": 256}
 
 
 def make_tool_trainer(tokenizer, tmp_path, script, tools=(), reward_funcs=None, dataset=None, env=None, **overrides):
@@ -264,10 +256,6 @@ def make_tool_trainer(tokenizer, tmp_path, script, tools=(), reward_funcs=None, 
 
 def zero_reward(completions, **kwargs):
     return [0.0] * len(completions)
-
-
-def logged(trainer, key):
-    return [h[key] for h in trainer.state.log_history if key in h]
 
 
 def record_inputs(trainer):
