@@ -4,7 +4,9 @@ Every configuration trains the demo's task and model (SmolLM2-135M-Instruct, LoR
 problems, the demo's settings of ``examples/train_gsm8k.py``) for the same steps and batch shape, one run per
 (configuration, seed) in its own process; the seed moves the data order and the sampling. Each run records held-out
 greedy accuracy before/after (200 problems), accuracy every ``--eval-every`` steps on a fixed 100-problem subset
-against the training wall-clock (evaluation time left out), and seconds per step. The asynchronous configurations
+against the training wall-clock, and seconds per step. The adapter is snapshotted at those steps and the snapshots
+are evaluated after training: an evaluation inside the run would let the generation thread work during time the
+clock leaves out. The asynchronous configurations
 generate with ``reproducible_generation=True``.
 
 Runs take ~16 minutes each on 2 CPU cores, so the script is resumable: a finished run is a JSON file under
@@ -95,7 +97,7 @@ def _data(options, system_prompt):
 def _run_one(options, name: str, seed: int) -> dict:
     """One (configuration, seed) run, in this process."""
     import torch
-    from peft import LoraConfig
+    from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -140,28 +142,38 @@ def _run_one(options, name: str, seed: int) -> dict:
         with torch.no_grad():
             return evaluate_accuracy(model, trainer.processing_class, dataset, max_tokens, batch_size=50)
 
-    curve, clock = [], {"eval": 0.0, "start": None}
+    # Evaluating inside the run would leave the generation thread generating (and, up to the staleness bound,
+    # getting ahead) during evaluation time the clock leaves out. The adapter weights are therefore snapshotted at
+    # each evaluation step (a copy of ~19 MiB, timed and left out) and evaluated after training.
+    snapshots, clock = [], {"snapshot": 0.0, "start": None}
 
-    class EvaluateEvery(TrainerCallback):
+    class SnapshotEvery(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
             clock["start"] = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step % options.eval_every == 0 or state.global_step == state.max_steps:
                 begin = time.perf_counter()
-                training_seconds = begin - clock["start"] - clock["eval"]  # evaluations so far left out
-                result = accuracy(subset)
-                clock["eval"] += time.perf_counter() - begin
-                curve.append({"step": state.global_step, "seconds": training_seconds, "accuracy": result["accuracy"]})
-                print(f"[tta] {name}@{seed} step {state.global_step}: {result['accuracy']:.1%}", flush=True)
+                training_seconds = begin - clock["start"] - clock["snapshot"]
+                model = trainer.accelerator.unwrap_model(trainer.model)
+                weights = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+                clock["snapshot"] += time.perf_counter() - begin
+                snapshots.append((state.global_step, training_seconds, weights))
+                print(f"[tta] {name}@{seed} step {state.global_step}: {training_seconds / 60:.1f} min", flush=True)
 
     before = accuracy(held_out)
-    curve.append({"step": 0, "seconds": 0.0, "accuracy": accuracy(subset)["accuracy"]})
-    trainer.add_callback(EvaluateEvery())
+    curve = [{"step": 0, "seconds": 0.0, "accuracy": accuracy(subset)["accuracy"]}]
+    trainer.add_callback(SnapshotEvery())
     start = time.perf_counter()
     trainer.train()
-    total = time.perf_counter() - start - clock["eval"]
-    after = accuracy(held_out)
+    total = time.perf_counter() - start - clock["snapshot"]
+    after = accuracy(held_out)  # the final weights, before the snapshots are loaded
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    for step, seconds, weights in snapshots:
+        set_peft_model_state_dict(model, weights)
+        result = accuracy(subset)
+        curve.append({"step": step, "seconds": seconds, "accuracy": result["accuracy"]})
+        print(f"[tta] {name}@{seed} step {step}: {result['accuracy']:.1%} on the subset", flush=True)
     steps = [h["step_time"] for h in trainer.state.log_history if "step_time" in h]
     return {
         "config": name,
@@ -295,11 +307,17 @@ def main() -> None:
             print(f"[tta] {name}@{seed} (load average {os.getloadavg()[0]:.2f}) ...", flush=True)
             command = [sys.executable, __file__, *sys.argv[1:], "--run-one", f"{name}@{seed}"]
             env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-            out = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-            lines = [line for line in out.stdout.splitlines() if line.startswith("A3PO_RESULT ")]
-            if out.returncode or not lines:
-                raise SystemExit(f"{name}@{seed} failed ({out.returncode}):\n{out.stderr[-4000:]}")
-            path.write_text(lines[-1].removeprefix("A3PO_RESULT ") + "\n")
+            # the run's progress (its [tta] lines on stdout, the trainer's bar on stderr) passes through
+            child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
+            results = []
+            for line in child.stdout:
+                if line.startswith("A3PO_RESULT "):
+                    results.append(line.removeprefix("A3PO_RESULT "))
+                else:
+                    print(line, end="", flush=True)
+            if child.wait() or not results:
+                raise SystemExit(f"{name}@{seed} failed (exit status {child.returncode}); its output is above.")
+            path.write_text(results[-1].rstrip("\n") + "\n")
             print(f"[tta] {name}@{seed} done", flush=True)
     print(_summarize(options, names, seeds))
 
