@@ -147,7 +147,7 @@ def write_markdown(report, path: str) -> None:
         lines += ["", "## Profiles (py-spy samples, share per thread)", ""]
         for run in profiled:
             for thread, entry in run["profile"].items():
-                top = ", ".join(f"{k} {v:.0%}" for k, v in list(entry["share"].items())[:6])
+                top = ", ".join(f"{k} {v:.0%}" for k, v in list(entry["share"].items())[:8])
                 lines.append(f"- {run['run_id']} — {thread} ({entry['seconds_at_20hz']:.0f} s busy): {top}")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -32,24 +32,30 @@ def machine_info() -> dict:
 
 
 def profile_summary(path: str) -> dict | None:
-    """Share of py-spy samples per thread and activity (the generation thread is the one running generation.py)."""
+    """Share of py-spy samples per thread and activity (the generation thread: the engine's ``_run``)."""
     if not path or not os.path.exists(path) or path.endswith(".pstats"):
         return None
-    rules = [  # (label, substrings that must all be in the stack), first match wins
-        ("wait: generator waits for staleness bound", ("_wait_for_version",)),
-        ("wait: queue full", ("put (a3po_trl/generation.py",)),
-        ("wait: trainer waits for samples", ("get (a3po_trl/generation.py",)),
+    rules = [  # (label, substrings that must all be in the stack), first match wins: work before waits, since
+        # with async_generation=False (the pieces-* runs) generation runs inside the trainer's get
         ("recompute forward", ("_take_scored_batch", "_get_per_token_logps_and_entropies")),
-        ("batch intake (move, gather, metrics)", ("_take_scored_batch",)),
-        ("weight refresh (generator copy)", ("refresh (a3po_trl/generation.py",)),
-        ("weight publish", ("_publish_weights",)),
-        ("generate", ("generate (",)),
-        ("behavior logps", ("per_token_logps_fused",)),
+        ("behavior logps (recorded while sampling)", ("_record (", "sampling.py")),
+        ("behavior logps (extra forward)", ("per_token_logps_fused",)),
+        ("generate: model forward (decoding)", ("generate (", "_wrapped_call_impl")),
+        ("generate: token selection, stopping, bookkeeping", ("generate (",)),
         ("rewards", ("score_completions",)),
         ("rewards", ("_calculate_rewards",)),
-        ("backward", ("backward (",)),
+        ("wait: generator waits for staleness bound", ("_wait_for_version",)),
+        ("wait: queue full", ("put (", "generation/engine.py")),
+        ("wait: trainer waits for samples", ("get (", "generation/engine.py")),
+        ("batch intake (move, gather, metrics)", ("_take_scored_batch",)),
+        ("weight refresh (generator copy)", ("refresh (", "generation/backend.py")),
+        ("weight publish", ("_publish_weights",)),
+        ("backward: LM head + log-softmax (TRL's chunked kernel)", ("backward (", "chunked_logprob.py")),
+        ("backward: model body", ("backward (",)),
         ("optimizer step", ("optimizer",)),
-        ("loss forward", ("compute_loss",)),
+        ("loss forward: LM head + log-softmax (TRL's chunked kernel)", ("compute_loss", "chunked_logprob.py")),
+        ("loss forward: model body", ("compute_loss", "_wrapped_call_impl")),
+        ("loss forward: rest (A-3PO / GRPO loss terms, metrics)", ("compute_loss",)),
     ]
     threads = defaultdict(lambda: defaultdict(int))
     with open(path) as f:
@@ -57,7 +63,7 @@ def profile_summary(path: str) -> dict | None:
             stack, _, count = line.rstrip("\n").rpartition(" ")
             if not count.isdigit():
                 continue
-            if "generation.py" in stack and "_run (" in stack:
+            if "generation/engine.py" in stack and "_run (" in stack:
                 thread = "generation thread"
             elif "_inner_training_loop" in stack:
                 thread = "training (main) thread"
