@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from tiny import (  # noqa: E402
     CALL,
     DONE,
+    distributed_script_config,
     length_reward,
     make_model,
     make_prompts,
@@ -30,7 +31,7 @@ from tiny import (  # noqa: E402
     scripted_generate,
 )
 
-from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer  # noqa: E402
+from a3po_trl import AsyncA3POTrainer  # noqa: E402
 from a3po_trl import trainer as trainer_module  # noqa: E402
 from a3po_trl.distributed import teardown_registered  # noqa: E402
 
@@ -62,22 +63,7 @@ def main():
             return result
 
         trainer_module.group_advantages = recording_group_advantages
-    args = AsyncA3POConfig(
-        output_dir=out_dir,
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        max_steps=4,
-        max_staleness=1,
-        learning_rate=1e-2,
-        logging_steps=1,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        disable_tqdm=True,
-        scale_rewards="batch" if with_reward_model else "group",
-    )
+    args = distributed_script_config(out_dir, scale_rewards="batch" if with_reward_model else "group")
     model, tool_threads, extra = make_model(tokenizer), [], {}
     if with_tools:
         model = make_model(tokenizer, max_position_embeddings=2048)

@@ -13,32 +13,15 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from peft import LoraConfig  # noqa: E402
-from tiny import length_reward, make_prompts, make_tokenizer  # noqa: E402
+from tiny import distributed_script_config, length_reward, make_prompts, make_tokenizer  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer  # noqa: E402
+from a3po_trl import AsyncA3POTrainer  # noqa: E402
 
 
 def main():
     out_dir, url, model_dir = sys.argv[1:4]
-    args = AsyncA3POConfig(
-        output_dir=out_dir,
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        max_steps=3,
-        max_staleness=1,
-        learning_rate=1e-2,
-        logging_steps=1,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        disable_tqdm=True,
-        use_vllm=True,
-        vllm_mode="server",
-        vllm_server_base_url=url,
-    )
+    args = distributed_script_config(out_dir, max_steps=3, use_vllm=True, vllm_mode="server", vllm_server_base_url=url)
     trainer = AsyncA3POTrainer(
         model=AutoModelForCausalLM.from_pretrained(model_dir),
         reward_funcs=[length_reward],
