@@ -171,8 +171,10 @@ def _run_one(options, name: str, seed: int) -> dict:
     model = trainer.accelerator.unwrap_model(trainer.model)
     for step, seconds, weights in snapshots:
         set_peft_model_state_dict(model, weights)
+        loaded = get_peft_model_state_dict(model).values()
+        adapter_norm = torch.sqrt(sum((v.detach().double() ** 2).sum() for v in loaded)).item()
         result = accuracy(subset)
-        curve.append({"step": step, "seconds": seconds, "accuracy": result["accuracy"]})
+        curve.append({"step": step, "seconds": seconds, "accuracy": result["accuracy"], "adapter_norm": adapter_norm})
         print(f"[tta] {name}@{seed} step {step}: {result['accuracy']:.1%} on the subset", flush=True)
     steps = [h["step_time"] for h in trainer.state.log_history if "step_time" in h]
     return {
@@ -274,7 +276,7 @@ def _plot(runs, names, path: Path) -> None:
         axis.fill_between(
             minutes, [min(a) for a in accuracy], [max(a) for a in accuracy], alpha=0.15, color=line.get_color()
         )
-    axis.set_xlabel("training wall-clock (minutes, evaluation excluded)")
+    axis.set_xlabel("training wall-clock (minutes; snapshots evaluated after training)")
     axis.set_ylabel("greedy accuracy, fixed held-out subset")
     axis.legend()
     axis.grid(alpha=0.3)

@@ -23,6 +23,11 @@ def test_quick_run_summarizes_and_skips_finished_runs(tmp_path):
         assert [point["step"] for point in run["curve"]] == [0, 2, 4]
         assert run["curve"][0]["seconds"] == 0 and run["curve"][-1]["seconds"] > run["curve"][1]["seconds"] > 0
         assert 0 <= run["before"] <= 1 and 0 <= run["after"] <= 1 and len(run["after_correct"]) == 8
+        # the curve evaluates the adapter as it was at each step (snapshots), the last one being the final weights
+        # (in --quick the subset is the whole held-out set)
+        norms = [point["adapter_norm"] for point in run["curve"][1:]]
+        assert len(set(norms)) == len(norms), norms
+        assert run["curve"][-1]["accuracy"] == run["after"]
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["configs"]) == {"trl", "loglinear-s1"} and summary["missing"] == []
     assert (out / "accuracy_vs_time.png").stat().st_size > 0
