@@ -6,15 +6,14 @@ problems, the demo's settings of ``examples/train_gsm8k.py``) for the same steps
 greedy accuracy before/after (200 problems), accuracy every ``--eval-every`` steps on a fixed 100-problem subset
 against the training wall-clock, and seconds per step. The adapter is snapshotted at those steps and the snapshots
 are evaluated after training: an evaluation inside the run would let the generation thread work during time the
-clock leaves out. The asynchronous configurations
-generate with ``reproducible_generation=True``.
+clock leaves out. The asynchronous configurations generate with ``reproducible_generation=True``.
 
-Runs take ~16 minutes each on 2 CPU cores, so the script is resumable: a finished run is a JSON file under
-``<out>/runs/`` and is skipped next time; ``--max-runs`` bounds one invocation. After the runs it (re)writes
-``<out>/summary.json``, ``<out>/summary.md`` (table: accuracy before/after with spread over seeds and the paired gain,
-s/step, total, and the wall-clock each configuration needed to reach the synchronous baseline's final accuracy on the
-subset) and ``<out>/accuracy_vs_time.png`` (one line per configuration, a band over seeds), saying which runs are
-still missing.
+Runs take ~20 minutes each on 2 CPU cores (~13-17 of them training), so the script is resumable: a finished run is a
+JSON file under ``<out>/runs/`` and is skipped next time; ``--max-runs`` bounds one invocation. After the runs it
+(re)writes ``<out>/summary.json``, ``<out>/summary.md`` (table: accuracy before/after with spread over seeds and the
+paired gain, s/step, total, and the wall-clock each configuration needed to reach the synchronous baseline's final
+accuracy on the subset) and ``<out>/accuracy_vs_time.png`` (one line per configuration, a band over seeds), saying
+which runs are still missing.
 
     python benchmarks/time_to_accuracy.py --max-runs 3                    # next 3 missing runs, then the summary
     python benchmarks/time_to_accuracy.py --summary-only                  # the summary of what is there
