@@ -176,6 +176,7 @@ def _run_one(options, name: str, seed: int) -> dict:
         curve.append({"step": step, "seconds": seconds, "accuracy": result["accuracy"], "adapter_norm": adapter_norm})
         print(f"[tta] {name}@{seed} step {step}: {result['accuracy']:.1%} on the subset", flush=True)
     steps = [h["step_time"] for h in trainer.state.log_history if "step_time" in h]
+    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     return {
         "config": name,
         "seed": seed,
@@ -187,6 +188,7 @@ def _run_one(options, name: str, seed: int) -> dict:
         "curve": curve,
         "train_seconds": total,
         "seconds_per_step": statistics.median(steps) if steps else total / options.steps,
+        "completion_mean_length": statistics.fmean(lengths) if lengths else None,  # s/step follows it
         "load_average": os.getloadavg(),
     }
 
