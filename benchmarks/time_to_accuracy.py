@@ -190,6 +190,13 @@ def _run_one(options, name: str, seed: int) -> dict:
         "seconds_per_step": statistics.median(steps) if steps else total / options.steps,
         "completion_mean_length": statistics.fmean(lengths) if lengths else None,  # s/step follows it
         "load_average": os.getloadavg(),
+        # the trainer's logged metrics per step (rewards, clip ratios, importance weights, staleness, timings)
+        "training_log": [
+            {k: round(v, 6) for k, v in h.items() if isinstance(v, (int, float)) and k not in ("epoch", "step")}
+            | {"step": h["step"]}
+            for h in trainer.state.log_history
+            if "step" in h and "loss" in h
+        ],
     }
 
 
@@ -232,7 +239,8 @@ def _summarize(options, names, seeds) -> str:
         reach_text = f"{statistics.fmean(reached):.1f} ({len(reached)}/{len(done)})" if reached else "-"
         rows.append(
             f"| {name} | {len(done)} | {entry['before_mean']:.1%} | {entry['after_mean']:.1%} "
-            f"({entry['after_spread'][0]:.1%}-{entry['after_spread'][1]:.1%}) | {entry['gain_mean']:+.1%} | "
+            f"({entry['after_spread'][0]:.1%}-{entry['after_spread'][1]:.1%}) | {entry['gain_mean']:+.1%} "
+            f"({min(gains):+.1%} to {max(gains):+.1%}) | "
             f"{entry['seconds_per_step']:.1f} | {entry['train_minutes']:.1f} | {reach_text} |"
         )
     table = "\n".join(
@@ -240,11 +248,16 @@ def _summarize(options, names, seeds) -> str:
             f"Time to accuracy, {options.steps} steps, seeds {','.join(map(str, seeds))}; baseline final accuracy on "
             f"the {options.eval_problems}-problem subset: {'-' if target is None else f'{target:.1%}'}.",
             "",
-            "| configuration | runs | before | after (min-max) | paired gain | s/step | train min | min to baseline |",
+            "| configuration | runs | before | after (min-max) | paired gain (min to max) | s/step | train min "
+            "| min to baseline |",
             "|---|---:|---:|---:|---:|---:|---:|---:|",
             *rows,
             "",
             f"Missing runs: {', '.join(missing) if missing else 'none'}.",
+            "",
+            "Per run:",
+            "",
+            *_per_run_table(runs, names, seeds),
         ]
     )
     out = Path(options.out)
@@ -252,6 +265,48 @@ def _summarize(options, names, seeds) -> str:
     (out / "summary.md").write_text(table + "\n")
     _plot(runs, names, out / "accuracy_vs_time.png")
     return table
+
+
+_LABELS = {"trl": "TRL `GRPOTrainer` (2 threads)"}
+
+
+def _label(name: str) -> str:
+    if name in _LABELS:
+        return _LABELS[name]
+    method, staleness = name.rsplit("-s", 1)
+    return f"{method}, staleness {staleness}"
+
+
+def _per_run_table(runs, names, seeds) -> list[str]:
+    """One row per finished run, by seed then configuration: the README's table."""
+    from a3po_trl.evaluation import paired_accuracy_test
+
+    by_key = {(r["config"], r["seed"]): r for done in runs.values() for r in done}
+    rows = [
+        "| configuration | seed | held-out before -> after | paired gain (p) | subset at steps "
+        + " / ".join(str(p["step"]) for p in next(iter(by_key.values()))["curve"][1:])
+        + " | tokens per completion | s/step | training min | vs TRL, same seed |"
+        if by_key
+        else "| configuration | seed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for seed in seeds:
+        baseline = by_key.get(("trl", seed))
+        for name in names:
+            run = by_key.get((name, seed))
+            if run is None:
+                continue
+            test = paired_accuracy_test(run["before_correct"], run["after_correct"])
+            subset = " / ".join(f"{p['accuracy']:.0%}" for p in run["curve"][1:])
+            length = run.get("completion_mean_length")
+            speedup = f"{baseline['train_seconds'] / run['train_seconds']:.2f}x" if baseline else "-"
+            rows.append(
+                f"| {_label(name)} | {seed} | {run['before']:.1%} -> {run['after']:.1%} | "
+                f"{test['gain']:+.1%} +- {test['stderr']:.1%} ({test['p_value']:.3f}) | {subset} | "
+                f"{'-' if length is None else f'{length:.1f}'} | {run['seconds_per_step']:.2f} | "
+                f"{run['train_seconds'] / 60:.1f} | {speedup} |"
+            )
+    return rows
 
 
 def _plot(runs, names, path: Path) -> None:
