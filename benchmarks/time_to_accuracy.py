@@ -80,6 +80,12 @@ def _settings(options) -> dict:
     return {"training": training, "lora": lora, "threads": threads, "system_prompt": DEMO_SYSTEM_PROMPT}
 
 
+def _method_and_staleness(name: str) -> tuple[str, int]:
+    """``"loglinear-s2"`` -> ``("loglinear", 2)``."""
+    method, staleness = name.rsplit("-s", 1)
+    return method, int(staleness)
+
+
 def _cuda() -> bool:
     import torch
 
@@ -118,11 +124,11 @@ def _run_one(options, name: str, seed: int) -> dict:
     if name == "trl":
         args, trainer_class = GRPOConfig(**common), GRPOTrainer
     else:
-        method, staleness = name.rsplit("-s", 1)
+        method, staleness = _method_and_staleness(name)
         args = AsyncA3POConfig(
             **common,
             prox_logp_method=method,
-            max_staleness=int(staleness),
+            max_staleness=staleness,
             reproducible_generation=True,
             **(settings["threads"] if not _cuda() else {}),
         )
@@ -210,6 +216,11 @@ def _summarize(options, names, seeds) -> str:
         run = json.loads(path.read_text())
         runs.setdefault(run["config"], []).append(run)
     missing = [f"{n}@{s}" for n in names for s in seeds if not (runs_dir / f"{n}@{s}.json").exists()]
+    tests = {
+        (r["config"], r["seed"]): paired_accuracy_test(r["before_correct"], r["after_correct"])
+        for done in runs.values()
+        for r in done
+    }
     baseline = runs.get("trl", [])
     target = statistics.fmean(r["curve"][-1]["accuracy"] for r in baseline) if baseline else None
     rows, summary = [], {}
@@ -219,7 +230,7 @@ def _summarize(options, names, seeds) -> str:
             continue
         before = [r["before"] for r in done]
         after = [r["after"] for r in done]
-        gains = [paired_accuracy_test(r["before_correct"], r["after_correct"])["gain"] for r in done]
+        gains = [tests[(r["config"], r["seed"])]["gain"] for r in done]
         reach = []
         for r in done:
             hits = [p["seconds"] for p in r["curve"] if target is not None and p["accuracy"] >= target]
@@ -257,7 +268,7 @@ def _summarize(options, names, seeds) -> str:
             "",
             "Per run:",
             "",
-            *_per_run_table(runs, names, seeds),
+            *_per_run_table(runs, tests, names, seeds),
         ]
     )
     out = Path(options.out)
@@ -267,27 +278,22 @@ def _summarize(options, names, seeds) -> str:
     return table
 
 
-_LABELS = {"trl": "TRL `GRPOTrainer` (2 threads)"}
-
-
 def _label(name: str) -> str:
-    if name in _LABELS:
-        return _LABELS[name]
-    method, staleness = name.rsplit("-s", 1)
+    if name == "trl":
+        return "TRL `GRPOTrainer` (2 threads)"
+    method, staleness = _method_and_staleness(name)
     return f"{method}, staleness {staleness}"
 
 
-def _per_run_table(runs, names, seeds) -> list[str]:
-    """One row per finished run, by seed then configuration: the README's table."""
-    from a3po_trl.evaluation import paired_accuracy_test
-
+def _per_run_table(runs, tests, names, seeds) -> list[str]:
+    """One row per finished run, by seed then configuration (the README's table); ``tests``: each run's paired test."""
     by_key = {(r["config"], r["seed"]): r for done in runs.values() for r in done}
+    if not by_key:
+        return []
+    eval_steps = " / ".join(str(p["step"]) for p in next(iter(by_key.values()))["curve"][1:])
     rows = [
-        "| configuration | seed | held-out before -> after | paired gain (p) | subset at steps "
-        + " / ".join(str(p["step"]) for p in next(iter(by_key.values()))["curve"][1:])
-        + " | tokens per completion | s/step | training min | vs TRL, same seed |"
-        if by_key
-        else "| configuration | seed |",
+        f"| configuration | seed | held-out before -> after | paired gain (p) | subset at steps {eval_steps} "
+        "| tokens per completion | s/step | training min | vs TRL, same seed |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for seed in seeds:
@@ -296,7 +302,7 @@ def _per_run_table(runs, names, seeds) -> list[str]:
             run = by_key.get((name, seed))
             if run is None:
                 continue
-            test = paired_accuracy_test(run["before_correct"], run["after_correct"])
+            test = tests[(name, seed)]
             subset = " / ".join(f"{p['accuracy']:.0%}" for p in run["curve"][1:])
             length = run.get("completion_mean_length")
             speedup = f"{baseline['train_seconds'] / run['train_seconds']:.2f}x" if baseline else "-"
