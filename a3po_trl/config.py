@@ -72,7 +72,12 @@ class AsyncA3POConfig(GRPOConfig):
             `generate` computes anyway (raw logits / `temperature`, the distribution the training log-probs score):
             no extra forward pass. `"forward"` runs one no-grad forward of the generator's weights over prompts and
             completions after generation, with the training forward's numerics (full sequence instead of KV-cache
-            decoding; the two agree to float rounding in fp32, to bf16 rounding under bf16).
+            decoding; the two agree to float rounding in fp32, to bf16 rounding under bf16). With truncated or
+            penalised sampling (`top_p < 1`, `top_k > 0`, `min_p`, `repetition_penalty`, ...), `"generation"` also
+            records each token's log-prob under the processed distribution it was drawn from, the denominator of the
+            behavior weight (the untruncated one stays the trust-region anchor, so an on-policy ratio is 1);
+            `"forward"` cannot, and is refused with such settings. vLLM reports only the processed log-probs, so
+            `use_vllm=True` refuses them.
         generation_batch_chunk_size (`int` or `None`, *optional*, defaults to `None`):
             Number of sequences per `generate` call and per behavior log-prob forward in the generator. `None`
             processes the whole local generation batch at once.

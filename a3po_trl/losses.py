@@ -75,6 +75,9 @@ class DecoupledLossMixin:
         advantages = inputs["advantages"]
         advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
         behavior_logps = inputs["behavior_logps"]
+        # The distribution the tokens were drawn from, where the sampler truncated or penalised the policy's: the
+        # denominator of the behavior weight (the anchor stays the untruncated behavior policy).
+        sampling_logps = inputs.get("sampling_logps", behavior_logps)
         staleness = token_staleness(self.state.global_step, inputs["policy_version"])
         proximal_logps, loglinear_logps = self._proximal_logps(inputs, current_logps, staleness)
 
@@ -97,14 +100,16 @@ class DecoupledLossMixin:
             vespo_lambda_pos=args.vespo_lambda_pos,
             vespo_k_neg=args.vespo_k_neg,
             vespo_lambda_neg=args.vespo_lambda_neg,
+            sampling_logps=sampling_logps,
         )
         if self.off_policy_mask_threshold is not None:
-            # The off-policy sequence mask compares the current policy with the one that sampled the tokens.
-            sampling_logps = torch.where(torch.isfinite(behavior_logps), behavior_logps, current_logps.detach())
+            # The off-policy sequence mask compares the current policy with the distribution that sampled the tokens
+            # (GRPOTrainer passes vLLM's sampling log-probs).
+            sampled_from = torch.where(torch.isfinite(sampling_logps), sampling_logps, current_logps.detach())
             per_token_loss = per_token_loss * self.get_off_policy_mask(
                 advantages=advantages,
                 per_token_logps=current_logps,
-                sampling_per_token_logps=sampling_logps,
+                sampling_per_token_logps=sampled_from,
                 mask=mask,
                 off_policy_threshold=self.off_policy_mask_threshold,
             )
@@ -141,7 +146,7 @@ class DecoupledLossMixin:
         self._log_loss_metrics(mode, mask, staleness, entropies, stats, per_token_kl)
         self._log_behavior_mismatch(mode, current_logps, behavior_logps, mask, staleness)
         if args.prox_logp_method == "metrics":
-            self._log_approximation_error(mode, inputs, loglinear_logps, proximal_logps, behavior_logps, mask)
+            self._log_approximation_error(mode, inputs, loglinear_logps, proximal_logps, sampling_logps, mask)
         return loss
 
     def _add_entropy_bonus(self, loss, entropies, mask, entropy_mask, policy_loss, mode, accumulation):

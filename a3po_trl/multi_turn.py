@@ -100,7 +100,8 @@ class Trajectories:
 
     completion_ids: list[list[int]]
     logps: list[list[float]]
-    """Behavior log-probs per completion token; 0 for tool-result tokens."""
+    """Behavior log-probs per completion token (of the policy's temperature-scaled distribution); 0 for tool-result
+    tokens."""
     versions: list[list[int]]
     """Weight version that generated each completion token; :data:`NO_VERSION` for tool-result tokens."""
     completions: list
@@ -112,6 +113,10 @@ class Trajectories:
     tool_failures: int = 0
     tool_timeouts: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    sampling_logps: list[list[float]] | None = None
+    """Log-probs under the processed distribution each token was drawn from (see
+    :attr:`~a3po_trl.generation.backend.GeneratedCompletions.sampling_logps`), 0 for tool-result tokens; None when
+    the sampler drew from the policy's distribution itself."""
 
 
 def prepare_agent_prompts(agent: AgentSettings, rows: list[dict]) -> tuple[list, list | None, list | None]:
@@ -347,9 +352,14 @@ def generate_with_tools(
         timings["generation"] += time.perf_counter() - start - generated.timings.get("behavior_logps", 0.0)
         timings["behavior_logps"] = timings.get("behavior_logps", 0.0) + generated.timings.get("behavior_logps", 0.0)
         logps = [[float(x) for x in row.tolist()] for row in generated.logps]
-        return [list(ids) for ids in generated.completion_ids], logps, version
+        if generated.sampling_logps is not None:
+            sampled[0] = True
+        sampling = generated.sampling_logps if generated.sampling_logps is not None else generated.logps
+        sampling = [[float(x) for x in row.tolist()] for row in sampling]
+        return [list(ids) for ids in generated.completion_ids], logps, sampling, version
 
-    completion_ids, logps, version = generate(prompt_ids, 0)
+    sampled = [False]  # whether any turn's sampler drew from a processed distribution
+    completion_ids, logps, sampling_logps, version = generate(prompt_ids, 0)
     versions = [[version] * len(ids) for ids in completion_ids]
     tool_mask = [[1] * len(ids) for ids in completion_ids]
     turns = [1] * batch
@@ -358,7 +368,16 @@ def generate_with_tools(
     ]
     if not agent.tools:  # environments without tool methods: one turn, as GRPOTrainer (no tool loop, no tool mask)
         timings["tools"] = 0.0
-        return Trajectories(completion_ids, logps, versions, completions, None, turns, timings=timings)
+        return Trajectories(
+            completion_ids,
+            logps,
+            versions,
+            completions,
+            None,
+            turns,
+            timings=timings,
+            sampling_logps=sampling_logps if sampled[0] else None,
+        )
     active = [i for i in range(batch) if completions[i][0].get("tool_calls")]
     calls = {i: completions[i][0]["tool_calls"] for i in active}
     turn = 0
@@ -382,13 +401,14 @@ def generate_with_tools(
         active = list(extended)
         if not active:
             break
-        new_ids, new_logps, version = generate([extended[i] for i in active], turn)
-        for i, ids, row_logps in zip(active, new_ids, new_logps, strict=True):
+        new_ids, new_logps, new_sampling_logps, version = generate([extended[i] for i in active], turn)
+        for i, ids, row_logps, row_sampling in zip(active, new_ids, new_logps, new_sampling_logps, strict=True):
             tool_length = len(extended[i]) - len(prompt_ids[i]) - len(completion_ids[i])
             budget = agent.max_completion_length - (len(extended[i]) - len(prompt_ids[i]))
-            ids, row_logps = ids[: max(budget, 0)], row_logps[: max(budget, 0)]
+            ids, row_logps, row_sampling = (values[: max(budget, 0)] for values in (ids, row_logps, row_sampling))
             tool_mask[i] += [0] * tool_length + [1] * len(ids)
             logps[i] += [0.0] * tool_length + row_logps
+            sampling_logps[i] += [0.0] * tool_length + row_sampling
             versions[i] += [NO_VERSION] * tool_length + [version] * len(ids)
             completion_ids[i] = extended[i][len(prompt_ids[i]) :] + ids
             turns[i] += 1
@@ -408,6 +428,7 @@ def generate_with_tools(
         tool_calls=caller.calls,
         tool_failures=caller.failures,
         tool_timeouts=caller.timeouts,
+        sampling_logps=sampling_logps if sampled[0] else None,
         timings=timings,
     )
 

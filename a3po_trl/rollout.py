@@ -122,6 +122,8 @@ def run_rollout(
         "token_versions": _padded(trajectories.versions, NO_VERSION, width, torch.long),
         "is_truncated": is_truncated,
     }
+    if trajectories.sampling_logps is not None:  # the sampler drew from a processed (truncated, penalised) policy
+        tensors["sampling_logps"] = _padded(trajectories.sampling_logps, 0.0, width, torch.float32)
     if trajectories.tool_mask is not None:
         tool_mask = _padded(trajectories.tool_mask, 1, width, torch.long)
         if settings.mask_truncated_completions:
@@ -184,9 +186,11 @@ def generate_single_turn(settings, backend, prompts, prompt_ids, should_stop, se
     timings = dict(generated.timings)
     timings["generation"] = time.perf_counter() - start - timings.get("behavior_logps", 0.0)
     version = backend.version
+    sampling_logps = generated.sampling_logps
     return Trajectories(
         completion_ids=generated.completion_ids,
         logps=[lp.float().cpu() for lp in generated.logps],
+        sampling_logps=[lp.float().cpu() for lp in sampling_logps] if sampling_logps is not None else None,
         versions=[[version] * len(ids) for ids in generated.completion_ids],
         completions=settings.decode(generated.completion_ids, prompt_ids, prompts),
         timings=timings,

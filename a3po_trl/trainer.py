@@ -43,7 +43,7 @@ from .model_patches import align_position_ids_with_generation, cast_lm_head_to_f
 from .multi_turn import agent_settings
 from .prompts import repeated_prompt_batches
 from .rollout import RolloutSettings, decode_completions, run_rollout
-from .sampling import records_logps, samples_with_own_stream, sampling_deviations
+from .sampling import processed_sampling, records_logps, samples_with_own_stream, sampling_deviations
 from .schedule import TrainingLoopShape, oldest_allowed_version, plan_generation_batches, run_micro_steps
 from .scoring import group_advantages, score_with_reward_model, warn_about_unscorable_rows
 from .validation import check_supported, check_train_dataset
@@ -177,14 +177,24 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
                 f"temperature={self.temperature}: behavior and training log-probs would score different "
                 f"distributions. Set temperature={config.temperature} in the config instead of in {source}."
             )
-        deviations = sampling_deviations(config)
-        if deviations:
+        # The generate backend records the log-probs of a processed sampling distribution (top-k/p, penalties, ...)
+        # under plain sampling; vLLM refuses such settings before any model loads (check_vllm_settings).
+        recorded = [] if self._use_vllm_backend or not samples_with_own_stream(config) else processed_sampling(config)
+        unrecorded = [d for d in sampling_deviations(config) if d not in recorded]
+        if unrecorded:
             logger.warning(
                 "Sampling with %s draws tokens from a different distribution than the temperature-scaled one the "
                 "behavior and training log-probs are computed from, which biases the importance ratios (set in the "
-                "config, generation_kwargs, or the model's generation_config). Leave them at their neutral values "
-                "(top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0, ...) for unbiased A-3PO updates.",
-                ", ".join(deviations),
+                "config, generation_kwargs, or the model's generation_config). Use plain sampling (do_sample=True, "
+                "num_beams=1) for unbiased A-3PO updates.",
+                ", ".join(unrecorded),
+            )
+        if recorded:
+            logger.info(
+                "Sampling with %s: the generator records the log-probs of the processed distribution it draws each "
+                "token from, which enter the behavior weight pi_prox / pi_sampling; the trust region stays anchored "
+                "at the untruncated policy (an on-policy token has ratio 1, as in GRPOTrainer).",
+                ", ".join(recorded),
             )
         return config
 
@@ -252,6 +262,16 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         behavior_logps_source = self.args.behavior_logps_source
         if behavior_logps_source == "generation" and not records_logps(effective):
             behavior_logps_source = "forward"  # beams or assisted decoding: no one-forward-per-token to record from
+        processed = processed_sampling(effective) if own_stream else []
+        if processed and behavior_logps_source != "generation":
+            raise ValueError(
+                f"Sampling with {', '.join(processed)} draws tokens from a processed distribution, whose log-probs "
+                "the behavior weight needs; they are recorded only while generating, one forward per token "
+                f"(behavior_logps_source={self.args.behavior_logps_source!r} with this generation config computes "
+                "the untruncated ones only). Set behavior_logps_source='generation' without chunked prefill or "
+                "assisted decoding, or leave the sampling settings at their neutral values (top_p=1.0, top_k=0, "
+                "min_p=None, repetition_penalty=1.0)."
+            )
         return HFGenerationSettings(
             generation_config=copy.deepcopy(self.generation_config),
             eos_token_ids=list(self.eos_token_ids),
@@ -261,6 +281,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             behavior_logps_source=behavior_logps_source,
             temperature=self.temperature,
             own_random_stream=own_stream,
+            record_sampling_logps=bool(processed),
         )
 
     @property

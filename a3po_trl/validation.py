@@ -28,6 +28,18 @@ def check_supported(args: GRPOConfig, kwargs: dict) -> None:
             "behavior log-probs are the engine's (of the temperature-scaled distribution, processed_logprobs). Set "
             "behavior_logps_source='generation'."
         )
+    processed = [
+        f"{name}={getattr(args, name)!r}"
+        for name, neutral in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("repetition_penalty", 1.0))
+        if getattr(args, name) not in (neutral, None)
+    ]
+    if not args.use_vllm and getattr(args, "behavior_logps_source", "generation") == "forward" and processed:
+        raise ValueError(
+            f"Sampling with {', '.join(processed)} draws tokens from a processed distribution, whose log-probs the "
+            "behavior weight needs; behavior_logps_source='forward' computes the untruncated ones only. Set "
+            "behavior_logps_source='generation' (the generator records both while generating), or leave the sampling "
+            "settings at their neutral values."
+        )
     if kwargs.get("rollout_func") is not None and (kwargs.get("tools") or kwargs.get("environment_factory")):
         raise NotImplementedError(
             "rollout_func together with tools or environment_factory is not supported by AsyncA3POTrainer: pass "

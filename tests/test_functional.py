@@ -193,6 +193,33 @@ def test_nonfinite_behavior_logps_are_masked_and_counted():
     assert torch.isfinite(current.grad).all()
 
 
+@settings(max_examples=100, deadline=None)
+@given(batches(), st.lists(st.floats(0.05, 1.0), min_size=24, max_size=24), st.sampled_from(CAP_MODES))
+def test_truncated_sampling_keeps_on_policy_ratios_at_one_and_weights_by_the_kept_mass(batch, masses, cap_mode):
+    """A sampler that kept mass m of the policy's distribution (top-p, top-k, min-p) gives the sampled token the
+    log-prob logp - log m. On-policy, the trust-region ratio must stay 1 and the kept mass go to the behavior weight
+    (GRPOTrainer's ratio and its vLLM importance weight); anchoring at the sampling log-probs instead makes the ratio
+    m, so that at m < 0.8 every negative-advantage token is clipped away."""
+    policy, _, _, mask, advantages = batch
+    b, t = policy.shape
+    kept_mass = torch.tensor(masses[: b * t], dtype=torch.float64).view(b, t)
+    sampling = policy - kept_mass.log()
+    current = policy.clone().requires_grad_(True)  # the weights that generated the tokens: staleness 0
+    staleness = torch.zeros(b, dtype=torch.long)
+    prox = approximate_proximal_logps(policy, current, staleness)
+    _, stats = decoupled_ppo_loss(
+        current, prox, policy, advantages, mask, behavior_weight_cap=None, cap_mode=cap_mode, sampling_logps=sampling
+    )
+    assert torch.allclose(stats["ratio"], torch.ones_like(stats["ratio"]))
+    assert not (stats["is_low_clipped"] | stats["is_high_clipped"]).any()
+    if cap_mode.startswith("token"):
+        assert torch.allclose(stats["behavior_weight"][mask], kept_mass[mask])
+    # Without the sampling log-probs the sampler's distribution is taken for the policy: the on-policy ratio is m.
+    wrong_prox = approximate_proximal_logps(sampling, current, staleness)
+    _, wrong = decoupled_ppo_loss(current, wrong_prox, sampling, advantages, mask, behavior_weight_cap=None)
+    assert torch.allclose(wrong["ratio"], kept_mass)
+
+
 def test_aggregate_loss_types():
     per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])

@@ -127,20 +127,67 @@ def test_left_padded_rows_are_scored_at_the_positions_they_were_generated_at(tok
 def test_sampling_settings_that_change_the_distribution_are_reported(tokenizer, tmp_path, caplog):
     with pytest.raises(ValueError, match=r"generation_kwargs sets temperature=0.5.*temperature=0.5 in the config"):
         make_trainer(tokenizer, tmp_path, generation_kwargs={"temperature": 0.5})
-    with caplog.at_level(logging.WARNING, logger="a3po_trl.trainer"):
+    # Processed sampling (truncation, penalties) is recorded, and said so; what cannot be recorded is a warning.
+    with caplog.at_level(logging.INFO, logger="a3po_trl.trainer"):
         make_trainer(tokenizer, tmp_path, generation_kwargs={"top_k": 3, "typical_p": 0.9})
     assert "top_k=3" in caplog.text and "typical_p=0.9" in caplog.text
-    assert "biases the importance ratios" in caplog.text
+    assert "records the log-probs of the processed distribution" in caplog.text
+    assert "biases the importance ratios" not in caplog.text
     caplog.clear()
     model = make_model(tokenizer)
     model.generation_config.no_repeat_ngram_size = 2  # from the model's own generation config, not TRL's
-    with caplog.at_level(logging.WARNING, logger="a3po_trl.trainer"):
-        make_trainer(tokenizer, tmp_path, model=model)
+    with caplog.at_level(logging.INFO, logger="a3po_trl.trainer"):
+        trainer = make_trainer(tokenizer, tmp_path, model=model)
     assert "no_repeat_ngram_size=2" in caplog.text
+    assert trainer._hf_generation_settings().record_sampling_logps
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="a3po_trl.trainer"):
-        make_trainer(tokenizer, tmp_path)
-    assert "biases the importance ratios" not in caplog.text
+        make_trainer(tokenizer, tmp_path, generation_kwargs={"do_sample": False})
+    assert "do_sample=False" in caplog.text and "biases the importance ratios" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="a3po_trl.trainer"):
+        trainer = make_trainer(tokenizer, tmp_path)
+    assert "biases the importance ratios" not in caplog.text and "processed distribution" not in caplog.text
+    assert not trainer._hf_generation_settings().record_sampling_logps
+
+
+def test_truncated_sampling_records_both_the_policy_and_the_sampling_log_probs(tokenizer, tmp_path):
+    """With top-k, the behavior log-probs stay the untruncated policy's (what the training forward scores, so an
+    on-policy ratio is 1) and the sampling log-probs are those of the renormalised top-k distribution each token was
+    drawn from, checked against a forward of the generating weights."""
+    top_k, temperature = 3, 0.7
+    trainer = make_trainer(
+        tokenizer, tmp_path, top_k=top_k, temperature=temperature, bf16=False, max_staleness=0, max_steps=2
+    )
+    trainer.model.train()
+    trainer.state.max_steps = 2
+    inputs, logps = first_batch_with_logps(trainer)
+    mask = inputs["completion_mask"].bool()
+    assert (logps - inputs["behavior_logps"])[mask].abs().max() < 1e-4
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    width = inputs["completion_ids"].size(1)
+    with torch.no_grad():
+        logits = trainer.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -width - 1 : -1].float()
+    scaled = logits / temperature
+    kth = scaled.topk(top_k, dim=-1).values[..., -1:]
+    truncated = torch.log_softmax(scaled.masked_fill(scaled < kth, float("-inf")), dim=-1)
+    expected = truncated.gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    assert torch.isfinite(expected[mask]).all(), "every sampled token is among the top k"
+    assert (inputs["sampling_logps"] - expected)[mask].abs().max() < 1e-4
+    assert (inputs["sampling_logps"] > inputs["behavior_logps"])[mask].all()
+
+
+def test_truncated_on_policy_training_has_ratio_one_and_the_kept_mass_as_behavior_weight(tokenizer, tmp_path):
+    """top_p=0.7, on-policy: no token is clipped (the anchor is the untruncated policy) and the behavior weight is
+    the mass the sampler kept, below 1 (as GRPOTrainer's vLLM importance weight): the truncation is not ignored."""
+    trainer = make_trainer(tokenizer, tmp_path, top_p=0.7, max_staleness=0, max_steps=3)
+    trainer.train()
+    assert logged(trainer, "a3po/staleness_max") == [0.0] * 3
+    assert logged(trainer, "clip_ratio/low_mean") == [0.0] * 3
+    assert logged(trainer, "clip_ratio/high_mean") == [0.0] * 3
+    weights = logged(trainer, "a3po/importance_weight_mean")
+    assert all(0.5 < w < 0.9 for w in weights), weights
 
 
 def test_beam_search_trains_with_behavior_log_probs_from_a_forward(tokenizer, tmp_path, caplog):

@@ -1,6 +1,7 @@
 """Multi-turn rollouts (tools, environments) in the generation thread: GRPOTrainer's semantics, per-token versions."""
 
 import asyncio
+import math
 import threading
 import time
 
@@ -38,9 +39,10 @@ class ScriptedBackend(GenerationBackend):
     """Completions from ``script(prompt_text) -> completion_text``; behavior log-probs ``-(version + 1) / 10`` per
     token, so that a token's log-prob says which version generated it."""
 
-    def __init__(self, tokenizer, script):
+    def __init__(self, tokenizer, script, kept_mass=None):
         super().__init__([], {}, None, torch.device("cpu"))
         self.tokenizer, self.script = tokenizer, script
+        self.kept_mass = kept_mass  # a truncating sampler: sampling log-probs are logps - log(kept_mass)
         self.calls = []
 
     def load_weights(self, weights, version):
@@ -50,7 +52,8 @@ class ScriptedBackend(GenerationBackend):
         self.calls.append((len(prompt_ids), self.version, seed))
         completions = [encode(self.tokenizer, self.script(self.tokenizer.decode(ids))) for ids in prompt_ids]
         logps = [torch.full((len(ids),), -(self.version + 1) / 10) for ids in completions]
-        return GeneratedCompletions(completion_ids=completions, logps=logps)
+        sampling = None if self.kept_mass is None else [lp - math.log(self.kept_mass) for lp in logps]
+        return GeneratedCompletions(completion_ids=completions, logps=logps, sampling_logps=sampling)
 
 
 def agent(tokenizer, tools, **overrides):
@@ -194,6 +197,25 @@ def test_every_token_records_the_version_that_generated_it(tool_tokenizer, refre
     # one call per turn: both rows, then both rows again; later turns get their own seeds
     assert [(n, v) for n, v, _ in backend.calls] == [(2, 0), (2, 1 if refresh else 0)]
     assert backend.calls[0][2] == 7 and backend.calls[1][2] not in (7, None)
+
+
+def test_a_truncating_sampler_gives_every_turn_its_sampling_log_probs(tool_tokenizer):
+    """Every generated token of every turn carries the log-prob of the distribution it was drawn from beside the
+    policy's; tool-result tokens carry 0 in both. A sampler that does not truncate gives none."""
+    prompts = [[{"role": "user", "content": "3 times 4?"}]]
+    prompt_ids = render(tool_tokenizer, prompts, [multiply])
+    truncating = ScriptedBackend(tool_tokenizer, tool_script(), kept_mass=0.5)
+    out = generate_with_tools(agent(tool_tokenizer, [multiply]), truncating, prompt_ids, None, None, None, seed=1)
+    mask, logps, sampling = out.tool_mask[0], out.logps[0], out.sampling_logps[0]
+    assert out.turns == [2] and 0 in mask
+    assert len(sampling) == len(logps) == len(mask)
+    for generated, policy, sampled in zip(mask, logps, sampling):
+        assert sampled == pytest.approx(policy + math.log(2) if generated else 0.0)
+    plain = ScriptedBackend(tool_tokenizer, tool_script())
+    assert (
+        generate_with_tools(agent(tool_tokenizer, [multiply]), plain, prompt_ids, None, None, None, 1).sampling_logps
+        is None
+    )
 
 
 def test_turn_limit_and_completion_budget_end_a_trajectory(tool_tokenizer):

@@ -49,6 +49,14 @@ BAD_VLLM_OPTIONS = [
     ({**VLLM, "vllm_importance_sampling_mode": "token_mask"}, "vllm_importance_sampling_mode=.*behavior_weight_cap"),
     ({**VLLM, "vllm_importance_sampling_clip_max": 2.0}, "vllm_importance_sampling_clip_max=2.0.*behavior_weight_cap"),
     ({**VLLM, "behavior_logps_source": "forward"}, "behavior_logps_source='forward'.*'generation'"),
+    # vLLM reports only the truncated (processed) log-probs: an on-policy ratio would be the kept mass, not 1
+    ({**VLLM, "top_p": 0.7}, r"top_p=0.7 \(in the config\).*Set top_p=1.0, or generate with use_vllm=False"),
+    ({**VLLM, "top_k": 5}, r"top_k=5 .*Set top_k=0"),
+    ({**VLLM, "min_p": 0.1}, r"min_p=0.1 .*Set min_p=0.0"),
+    ({**VLLM, "repetition_penalty": 1.1}, r"repetition_penalty=1.1 .*Set repetition_penalty=1.0"),
+    ({**VLLM, "generation_kwargs": {"presence_penalty": 0.5}}, r"presence_penalty=0.5 \(in generation_kwargs\)"),
+    # the untruncated log-probs of a forward cannot weight samples drawn from a truncated distribution
+    ({"behavior_logps_source": "forward", "top_p": 0.9}, r"top_p=0.9.*behavior_logps_source='generation'"),
 ]
 
 

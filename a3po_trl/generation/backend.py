@@ -39,7 +39,12 @@ class GeneratedCompletions:
     """Per prompt, the generated token ids, cut after the first EOS token."""
     logps: list[torch.Tensor]
     """Per prompt, the behavior log-probs of those tokens under the temperature-scaled distribution of the weights
-    that generated them (1-D float tensors, one value per token)."""
+    that generated them (1-D float tensors, one value per token): what the trainer's forward scores, the anchor of
+    A-3PO's proximal policy."""
+    sampling_logps: list[torch.Tensor] | None = None
+    """Per prompt, the log-probs of those tokens under the distribution they were drawn from, when the sampler
+    processed the policy's distribution first (top-k/p, min-p, penalties: truncated and renormalised); ``None`` when
+    it sampled ``softmax(logits / temperature)`` itself, i.e. the same values as :attr:`logps`."""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds spent on parts of the call worth reporting apart (e.g. ``behavior_logps`` for a separate forward)."""
 

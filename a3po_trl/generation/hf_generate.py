@@ -13,7 +13,9 @@ gathers the trainable weights; both happen in the main thread, on every process 
 Sampling draws from the backend's own ``torch.Generator`` (:class:`~a3po_trl.sampling.OwnStreamSampling`) for
 plain sampling, and the behavior log-probs are recorded while generating
 (:class:`~a3po_trl.sampling.GenerationLogpsRecorder`) or, where ``generate`` does not run one forward per token,
-computed with one extra forward.
+computed with one extra forward. When the sampler truncates or penalises the policy's distribution (top-k/p, min-p,
+repetition penalties, ...), the log-probs of the distribution each token was drawn from are recorded as well
+(:attr:`GeneratedCompletions.sampling_logps`).
 """
 
 from __future__ import annotations
@@ -84,6 +86,10 @@ class HFGenerationSettings:
     """Sample from the backend's own ``torch.Generator`` (plain sampling only, see
     :func:`~a3po_trl.sampling.samples_with_own_stream`); False leaves token selection to ``generate`` (the global
     RNG)."""
+    record_sampling_logps: bool = False
+    """The generation config processes the distribution before sampling (see
+    :func:`~a3po_trl.sampling.processed_sampling`): also record the log-probs of the processed distribution the
+    tokens are drawn from. Needs ``behavior_logps_source="generation"`` and ``own_random_stream``."""
 
 
 class HFGenerateBackend(GenerationBackend):
@@ -102,6 +108,14 @@ class HFGenerateBackend(GenerationBackend):
         if settings.behavior_logps_source not in BEHAVIOR_LOGPS_SOURCES:
             raise ValueError(
                 f"behavior_logps_source={settings.behavior_logps_source!r} must be one of {BEHAVIOR_LOGPS_SOURCES}."
+            )
+        if settings.record_sampling_logps and not (
+            settings.own_random_stream and settings.behavior_logps_source == "generation"
+        ):
+            raise ValueError(
+                "The sampling log-probs of a processed distribution (top-k/p, min-p, penalties, ...) are recorded "
+                "only while generating with plain sampling: record_sampling_logps needs own_random_stream=True and "
+                "behavior_logps_source='generation'."
             )
         self.settings = settings
         device = torch.device(device) if device is not None else module_device(module)
@@ -159,7 +173,13 @@ class HFGenerateBackend(GenerationBackend):
         record = settings.behavior_logps_source == "generation"
         timings = {}
         with torch.no_grad(), _autocast(self.device, settings.autocast_dtype):
-            completion_ids, logps = self._generate(prompt_ids, should_stop, record)
+            completion_ids, logps, sampling_logps = self._generate(prompt_ids, should_stop, record)
+        if logps is None and settings.record_sampling_logps:
+            raise RuntimeError(
+                "The log-probs of the processed sampling distribution (top-k/p, min-p, penalties, ...) could not be "
+                "recorded: this generation setup does not run one forward per generated token. Leave the sampling "
+                "settings at their neutral values (top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0)."
+            )
         if logps is None:
             if record and not self._fallback_warned:
                 self._fallback_warned = True
@@ -171,7 +191,9 @@ class HFGenerateBackend(GenerationBackend):
             start = time.perf_counter()
             logps = self._forward_logps(prompt_ids, completion_ids)
             timings["behavior_logps"] = time.perf_counter() - start
-        return GeneratedCompletions(completion_ids=completion_ids, logps=logps, timings=timings)
+        return GeneratedCompletions(
+            completion_ids=completion_ids, logps=logps, sampling_logps=sampling_logps, timings=timings
+        )
 
     def _forward_logps(self, prompt_ids, completion_ids) -> list[torch.Tensor]:
         settings = self.settings
@@ -188,23 +210,30 @@ class HFGenerateBackend(GenerationBackend):
         return [row[: len(ids)] for row, ids in zip(logps, completion_ids)]
 
     def _generate(self, prompt_ids_list, should_stop, record_logps: bool):
-        """Completion ids per row, cut after the first EOS, and (``record_logps``) their behavior log-probs, ``None``
-        when they could not be recorded."""
+        """Completion ids per row, cut after the first EOS, and (``record_logps``) their behavior log-probs and, when
+        the settings ask for them, their sampling log-probs; the log-probs are ``None`` when they could not be
+        recorded."""
         settings, module, device = self.settings, self.module, self.device
         chunk = settings.chunk_size or len(prompt_ids_list)
         stopping = StoppingCriteriaList([_CallableStop(should_stop)]) if should_stop is not None else None
-        extra = {}
-        if self._sampling_generator is not None:
-            extra["custom_generate"] = OwnStreamSampling(self._sampling_generator)
         completions: list[list[int]] = []
         logps: list[torch.Tensor] | None = [] if record_logps else None
+        sampling_logps: list[torch.Tensor] | None = [] if record_logps and settings.record_sampling_logps else None
         eos = torch.tensor(settings.eos_token_ids, device=device)
         for start in range(0, len(prompt_ids_list), chunk):
             ids, mask = pad_rows(prompt_ids_list[start : start + chunk], settings.pad_token_id, "left")
             ids, mask = ids.to(device), mask.to(device)
             recorder = (
-                GenerationLogpsRecorder(generation_target(module), settings.temperature) if logps is not None else None
+                GenerationLogpsRecorder(
+                    generation_target(module), settings.temperature, record_sampling=sampling_logps is not None
+                )
+                if logps is not None
+                else None
             )
+            extra = {}
+            if self._sampling_generator is not None:
+                observer = recorder.sampling_observer if recorder is not None else None
+                extra["custom_generate"] = OwnStreamSampling(self._sampling_generator, observe=observer)
             try:
                 output = module.generate(
                     input_ids=ids,
@@ -220,7 +249,7 @@ class HFGenerateBackend(GenerationBackend):
             generated = output[:, ids.size(1) :]
             chunk_logps = recorder.finish(generated) if recorder is not None else None
             if recorder is not None and chunk_logps is None:
-                logps = None  # misaligned: the caller computes them with a forward pass instead
+                logps = sampling_logps = None  # misaligned: the caller computes them with a forward pass instead
             is_eos = torch.isin(generated, eos)
             eos_idx = torch.full((is_eos.size(0),), is_eos.size(1), dtype=torch.long, device=device)
             has_eos = is_eos.any(dim=1)
@@ -230,9 +259,11 @@ class HFGenerateBackend(GenerationBackend):
             completions.extend(row[m].tolist() for row, m in zip(generated.cpu(), keep))
             if logps is not None:
                 logps.extend(row[m] for row, m in zip(chunk_logps.float().cpu(), keep))
+            if sampling_logps is not None:
+                sampling_logps.extend(row[m] for row, m in zip(recorder.sampling_logps.float().cpu(), keep))
         if should_stop is not None and should_stop():
             raise GenerationStopped
-        return completions, logps
+        return completions, logps, sampling_logps
 
 
 class _CallableStop:

@@ -34,8 +34,9 @@ class VLLMSamplingSettings:
 
 def sampling_params(settings: VLLMSamplingSettings, seed: int | None):
     """One ``SamplingParams`` for one prompt: one completion, the sampled token's log-prob (``logprobs=0``, which
-    the engine reports as ``processed_logprobs``: after temperature, what the trainer's forward scores), no
-    detokenizing."""
+    the engine reports as ``processed_logprobs``: with the neutral truncation and penalties that
+    :func:`~a3po_trl.generation.vllm_setup.check_vllm_sampling` enforces, ``log softmax(logits / T)``, what the
+    trainer's forward scores), no detokenizing."""
     from vllm import SamplingParams
 
     kwargs = dict(

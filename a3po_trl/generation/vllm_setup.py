@@ -14,7 +14,12 @@ with the fix:
   and ``behavior_weight_cap_mode``, so TRL's separate correction is not applied again. Changing its settings is an
   error that names the fields to use instead;
 - ``vllm_enable_sleep_mode``, ``vllm_structured_outputs_regex``, ``vllm_tensor_parallel_size > 1`` in colocate mode:
-  refused (see :func:`check_vllm_settings`).
+  refused (see :func:`check_vllm_settings`);
+- ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty`` and the ``generation_kwargs`` that process the sampling
+  distribution (penalties, banned or biased tokens, minimum lengths): refused unless neutral. vLLM reports the
+  log-probs of the processed distribution it samples from (``processed_logprobs``) and nothing else, while A-3PO
+  anchors its trust region at the untruncated policy that the trainer's forward reproduces; the ``generate`` backend
+  records both and supports these settings.
 """
 
 from __future__ import annotations
@@ -32,6 +37,48 @@ logger = logging.getLogger(__name__)
 
 _VLLM_MODES = ("colocate", "server")
 
+#: vLLM sampling parameters that process the distribution tokens are drawn from, with their neutral values.
+_NEUTRAL_SAMPLING = {
+    "top_p": (None, 1.0),
+    "top_k": (None, 0, -1),
+    "min_p": (None, 0.0),
+    "repetition_penalty": (None, 1.0),
+    "presence_penalty": (None, 0.0),
+    "frequency_penalty": (None, 0.0),
+    "min_tokens": (None, 0),
+    "bad_words": (None, []),
+    "logit_bias": (None, {}),
+    "allowed_token_ids": (None, []),
+    "logits_processors": (None, []),
+    "structured_outputs": (None,),
+    "guided_decoding": (None,),
+}
+
+
+def check_vllm_sampling(args) -> None:
+    """Refuse sampling settings under which vLLM draws from a processed distribution (``use_vllm=True``).
+
+    vLLM returns one log-prob per sampled token, of the distribution it sampled from after penalties, temperature,
+    min-p and top-k/top-p, renormalised over the kept tokens. That is the true behavior policy, but not the
+    untruncated ``softmax(logits / T)`` that the trainer's forward scores and that A-3PO's proximal policy is anchored
+    at: a fully on-policy token would get the ratio ``pi_theta / pi_prox`` equal to the kept probability mass instead
+    of 1 (0.8 at ``top_p=0.8``; at 0.7 every negative-advantage token is clipped away). The ``generate`` backend
+    records both log-probs (:class:`~a3po_trl.sampling.GenerationLogpsRecorder`)."""
+    settings = {name: getattr(args, name) for name in ("top_p", "top_k", "min_p", "repetition_penalty")}
+    kwargs = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
+    settings.update({name: value for name, value in kwargs.items() if name in _NEUTRAL_SAMPLING})
+    for name, value in settings.items():
+        neutral = _NEUTRAL_SAMPLING[name]
+        if value not in neutral:
+            where = "generation_kwargs" if name in kwargs else "the config"
+            raise ValueError(
+                f"{name}={value!r} (in {where}) is not supported with use_vllm=True: vLLM reports only the log-probs "
+                f"of the distribution it samples from after {name}, not those of the untruncated policy that "
+                "A-3PO's trust region is anchored at, so even on-policy tokens would be clipped by the kept "
+                f"probability mass. Set {name}={neutral[1]!r}, or generate with use_vllm=False: the generate "
+                f"backend records both log-probs and supports {name}."
+            )
+
 
 def check_vllm_settings(args) -> None:
     """Refuse, before any model is loaded, the vLLM settings this trainer cannot honour (``use_vllm=True``)."""
@@ -39,6 +86,7 @@ def check_vllm_settings(args) -> None:
         return
     if args.vllm_mode not in _VLLM_MODES:
         raise ValueError(f"vllm_mode={args.vllm_mode!r} must be one of {_VLLM_MODES}.")
+    check_vllm_sampling(args)
     defaults = GRPOConfig.__dataclass_fields__
     if not args.vllm_importance_sampling_correction:
         raise ValueError(
