@@ -1,11 +1,10 @@
-"""a3po-trl: asynchronous RL post-training of LLMs with A-3PO, as a drop-in TRL trainer."""
+"""a3po-trl: asynchronous RL post-training of LLMs with A-3PO, as a drop-in TRL trainer.
 
-from .config import AsyncA3POConfig
-from .evaluation import evaluate_accuracy
+The GSM8K / SmolLM2 demo helpers (problems, rewards, evaluation, plots, the offline model) are in
+:mod:`a3po_trl.tasks`, which this package does not import."""
+
+from .config import CAP_MODES, LOSS_TYPES, PROXIMAL_METHODS, AsyncA3POConfig
 from .functional import (
-    CAP_MODES,
-    LOSS_TYPES,
-    PROXIMAL_METHODS,
     aggregate_loss,
     approximate_proximal_logps,
     behavior_importance_weight,
@@ -15,7 +14,6 @@ from .functional import (
     staleness_weight,
 )
 from .generation import GenerationBackend, GenerationEngine, HFGenerateBackend, ScoredBatch, VersionedSampleQueue
-from .plotting import plot_training
 from .trainer import AsyncA3POTrainer
 
 __version__ = "0.1.0"
@@ -38,6 +36,4 @@ __all__ = [
     "kl_to_reference",
     "proximal_approximation_error",
     "staleness_weight",
-    "evaluate_accuracy",
-    "plot_training",
 ]

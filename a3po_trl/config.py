@@ -6,9 +6,18 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .functional import CAP_MODES, PROXIMAL_METHODS
-from .generation.hf_generate import BEHAVIOR_LOGPS_SOURCES
-from .schedule import largest_version_span
+PROXIMAL_METHODS = ("loglinear", "recompute", "metrics")
+"""How the proximal log-probs are obtained: A-3PO's interpolation, a forward pass, or both (to measure the error)."""
+
+CAP_MODES = ("token_mask", "token_truncate", "sequence_mask", "sequence_truncate")
+"""How the behavior importance weight is capped: per token or per sequence (geometric mean), masked or clamped."""
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")
+"""TRL's GRPOTrainer loss types, each of which the decoupled loss has a form of."""
+
+
+#: Where the behavior log-probs can come from (``AsyncA3POConfig.behavior_logps_source``).
+BEHAVIOR_LOGPS_SOURCES = ("generation", "forward")
 
 
 @dataclass
@@ -297,3 +306,12 @@ class AsyncA3POConfig(GRPOConfig):
     def versions_spanned_per_generation_batch(self) -> int:
         """Largest number of distinct policy versions that train on one generation batch."""
         return largest_version_span(self.steps_per_generation * self.num_iterations, self.gradient_accumulation_steps)
+
+
+def largest_version_span(micro_steps_per_batch: int, gradient_accumulation_steps: int) -> int:
+    """Largest number of versions that train on one generation batch, over every alignment of batches and
+    accumulation windows that the loop can produce (both restart at each epoch, so a batch starts at a multiple of
+    ``micro_steps_per_batch`` counted from a window boundary). A shorter last window of an epoch only truncates a
+    window, so it never makes a batch span more versions."""
+    every, accumulation = micro_steps_per_batch, gradient_accumulation_steps
+    return max(((j + 1) * every - 1) // accumulation - (j * every) // accumulation + 1 for j in range(accumulation))

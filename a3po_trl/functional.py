@@ -22,15 +22,9 @@ The method (see A-3PO, arXiv 2512.06547, and the AReaL reference implementation)
 from __future__ import annotations
 
 import torch
+from trl.trainer.utils import nanstd
 
-PROXIMAL_METHODS = ("loglinear", "recompute", "metrics")
-"""How the proximal log-probs are obtained: A-3PO's interpolation, a forward pass, or both (to measure the error)."""
-
-CAP_MODES = ("token_mask", "token_truncate", "sequence_mask", "sequence_truncate")
-"""How the behavior importance weight is capped: per token or per sequence (geometric mean), masked or clamped."""
-
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")
-"""TRL's GRPOTrainer loss types, each of which the decoupled loss has a form of."""
+from .config import CAP_MODES, LOSS_TYPES, PROXIMAL_METHODS  # noqa: F401 - the options of these functions
 
 
 def _broadcast_to_tokens(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -354,3 +348,61 @@ def proximal_approximation_error(
         "rho_abs_error": rho_abs.sum() / count,
         "rho_rel_error": rho_rel.sum() / count,
     }
+
+
+def group_advantages(
+    rewards_per_func: torch.Tensor,
+    reward_weights: torch.Tensor,
+    num_generations: int,
+    scale_rewards: str = "group",
+    aggregation: str = "sum_then_normalize",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group-relative advantages over whole groups of ``num_generations`` consecutive rows, as GRPOTrainer computes
+    them from the rewards of the whole generation batch.
+
+    Args:
+        rewards_per_func: ``(B, F)`` rewards, NaN where a reward function returned None.
+        reward_weights: ``(F,)`` weights of the reward functions.
+        num_generations: group size; ``B`` must be a multiple of it.
+        scale_rewards: ``"group"`` (divide by the group's std), ``"batch"`` (by the batch's std) or ``"none"``.
+        aggregation: ``"sum_then_normalize"`` or ``"normalize_then_sum"`` (TRL's ``multi_objective_aggregation``).
+
+    Returns:
+        ``(advantages, rewards, is_std_zero)``, each ``(B,)``; a row every function left unscored gets advantage 0.
+    """
+    if rewards_per_func.size(0) % num_generations:
+        raise ValueError(f"{rewards_per_func.size(0)} rows do not form whole groups of {num_generations}.")
+    weights = reward_weights.to(rewards_per_func.device, rewards_per_func.dtype).unsqueeze(0)
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    if aggregation == "sum_then_normalize":
+        rewards = (rewards_per_func * weights).nansum(dim=1)
+        rewards[unscorable] = torch.nan
+        grouped = rewards.view(-1, num_generations)
+        mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
+        if scale_rewards in ("group", "none"):
+            if num_generations > 1:
+                std = nanstd(grouped, dim=1).repeat_interleave(num_generations)
+            else:
+                std = torch.zeros_like(rewards)
+        elif scale_rewards == "batch":
+            std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        else:
+            raise ValueError(f"scale_rewards={scale_rewards!r} must be 'group', 'batch' or 'none'.")
+        advantages = rewards - mean
+        if scale_rewards != "none":
+            advantages = advantages / (std + 1e-4)
+    elif aggregation == "normalize_then_sum":
+        grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.size(1))
+        mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+        std_k = nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean_k)
+        normalized = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, rewards_per_func.size(1))
+        rewards = (normalized * weights).nansum(dim=1)
+        rewards[unscorable] = torch.nan
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        advantages = (rewards - torch.nanmean(rewards)) / (std + 1e-4)
+    else:
+        raise ValueError(
+            f"multi_objective_aggregation={aggregation!r} must be 'sum_then_normalize' or 'normalize_then_sum'."
+        )
+    is_std_zero = torch.isclose(std, torch.zeros_like(std))
+    return torch.nan_to_num(advantages, nan=0.0), rewards, is_std_zero

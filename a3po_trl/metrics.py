@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from trl.trainer.utils import nanmax, nanmin, nanstd
 
+from .types import ToolStats
+
 
 def _nanstd(values: torch.Tensor) -> torch.Tensor:
     return nanstd(values) if values.numel() > 1 else torch.zeros((), device=values.device)
@@ -201,9 +203,15 @@ def loss_metrics(
     return values
 
 
-def tool_metrics(accelerator, data: dict, loss_mask: torch.Tensor, completion_lengths: torch.Tensor) -> dict:
-    """Multi-turn statistics of one generation batch over every process (one sum-reduce and one gather); pops the
-    per-batch counters the rollout left in ``data``. Empty for single-turn batches.
+def tool_metrics(
+    accelerator,
+    stats: ToolStats | None,
+    versions: torch.Tensor,
+    loss_mask: torch.Tensor,
+    completion_lengths: torch.Tensor,
+) -> dict:
+    """Multi-turn statistics of one generation batch over every process (one sum-reduce and one gather), from the
+    tool-call loop's ``stats`` and the ``(B, T)`` weight ``versions`` of the tokens. Empty for batches without tools.
 
     GRPOTrainer's ``tools/call_frequency`` (tool calls per trajectory) and ``tools/failure_frequency`` (failed calls
     per call), and: ``tools/timeout_frequency`` (calls past ``tool_call_timeout`` per call), ``tools/turns_mean|max``
@@ -211,22 +219,20 @@ def tool_metrics(accelerator, data: dict, loss_mask: torch.Tensor, completion_le
     trajectory), ``a3po/multi_version_trajectories_frac`` (trajectories whose generated tokens come from more than
     one weight version: turns generated across an update).
     """
-    turns = data.pop("turns", None)
-    counts = data.pop("tool_counts", None)
-    tool_lengths = data.pop("tool_result_lengths", None)
-    if counts is None:
+    if stats is None:
         return {}
-    versions = data["policy_version"]
+    device = versions.device
+    turns, tool_lengths = stats.turns.to(device), stats.tool_result_lengths.to(device)
     generated = loss_mask.bool() & (versions >= 0)
     newest = torch.where(generated, versions, torch.full_like(versions, -1)).max(dim=1).values
     oldest = torch.where(generated, versions, torch.full_like(versions, 1 << 62)).min(dim=1).values
     mixed = (generated.any(dim=1) & (newest > oldest)).sum()
     local = torch.stack(
         [
-            counts[0],
-            counts[1],
-            counts[2],
-            torch.tensor(turns.numel(), device=turns.device),
+            torch.tensor(stats.calls, device=device),
+            torch.tensor(stats.failures, device=device),
+            torch.tensor(stats.timeouts, device=device),
+            torch.tensor(turns.numel(), device=device),
             turns.sum(),
             completion_lengths.sum(),
             tool_lengths.sum(),

@@ -33,21 +33,22 @@ from trl.data_utils import is_conversational
 from trl.trainer.utils import add_fused_lm_head, shuffle_sequence_dict, split_tensor_dict, use_adapter
 
 from .config import AsyncA3POConfig
-from .custom_rollout import generate_completions
 from .distributed import destroy_process_group_at_exit
+from .functional import group_advantages
 from .generation import GenerationBackend, GenerationEngine, HFGenerateBackend, HFGenerationSettings
-from .generation.hf_generate import generation_target
+from .generation.hf import generation_target
+from .generation.hf.sampling import processed_sampling, records_logps, samples_with_own_stream, sampling_deviations
+from .generation.schedule import TrainingLoopShape, oldest_allowed_version, plan_generation_batches, run_micro_steps
+from .generation.version_checkpoint import load_kept_versions, save_kept_versions
 from .losses import DecoupledLossMixin
 from .metrics import batch_metrics, tool_metrics
-from .model_patches import align_position_ids_with_generation, cast_lm_head_to_fp32
-from .multi_turn import agent_settings
-from .prompts import repeated_prompt_batches
+from .patches import align_position_ids_with_generation, cast_lm_head_to_fp32
 from .rollout import RolloutSettings, decode_completions, run_rollout
-from .sampling import processed_sampling, records_logps, samples_with_own_stream, sampling_deviations
-from .schedule import TrainingLoopShape, oldest_allowed_version, plan_generation_batches, run_micro_steps
-from .scoring import group_advantages, score_with_reward_model, warn_about_unscorable_rows
+from .rollout.custom import generate_completions
+from .rollout.multi_turn import agent_settings
+from .rollout.prompt_batches import repeated_prompt_batches
+from .rollout.scoring import score_with_reward_model, warn_about_unscorable_rows
 from .validation import check_supported, check_train_dataset
-from .version_checkpoint import load_kept_versions, save_kept_versions
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +216,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
     def _build_backend(self) -> GenerationBackend:
         """The generation backend: Hugging Face ``generate`` on the generator's own copy, or vLLM (``use_vllm``)."""
         if self._use_vllm_backend:
-            from .generation.vllm_setup import build_vllm_backend
+            from .generation.vllm.setup import build_vllm_backend
 
             return build_vllm_backend(self)
         return self._build_hf_backend()
@@ -343,7 +344,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
     def generate_completions(prompt_ids: list[list[int]]) -> dict[str, list]:
         """For a ``rollout_func``: generate one completion per row of ``prompt_ids`` (token ids) with the weights of
         the batch being rolled out, returning ``{"completion_ids", "logprobs"}`` (the behavior log-probs its output
-        must carry). Callable only from inside a ``rollout_func`` (see :mod:`a3po_trl.custom_rollout`)."""
+        must carry). Callable only from inside a ``rollout_func`` (see :mod:`a3po_trl.rollout.custom`)."""
         return generate_completions(prompt_ids)
 
     def _sampling_seeds(self, batch_numbers):
@@ -493,7 +494,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         device = self.accelerator.device
         scored, waited = self._engine.get()
         data = {k: v.to(device) for k, v in scored.tensors.items()}
-        is_truncated, completion_lengths = data.pop("is_truncated"), data.pop("completion_lengths")
+        is_truncated, completion_lengths = scored.is_truncated.to(device), scored.completion_lengths.to(device)
         batch_size = data["completion_ids"].size(0)
         prompts, completions = scored.texts["prompt"], scored.texts["completion"]
 
@@ -523,7 +524,9 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         data["policy_version"] = data.pop("token_versions")  # (B, T): the version that generated each token
         loss_mask = data["completion_mask"] * data["tool_mask"] if "tool_mask" in data else data["completion_mask"]
         data["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
-        agent_values = tool_metrics(self.accelerator, data, loss_mask, completion_lengths)
+        agent_values = tool_metrics(
+            self.accelerator, scored.tool_stats, data["policy_version"], loss_mask, completion_lengths
+        )
         if scored.environments is not None:
             self.environments = scored.environments  # GRPOTrainer's attribute: the latest batch's environments
 

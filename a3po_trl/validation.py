@@ -5,7 +5,95 @@ from __future__ import annotations
 from datasets import IterableDataset
 from trl import GRPOConfig
 
-from .generation.vllm_setup import check_vllm_settings
+_VLLM_MODES = ("colocate", "server")
+
+#: vLLM sampling parameters that process the distribution tokens are drawn from, with their neutral values.
+_NEUTRAL_SAMPLING = {
+    "top_p": (None, 1.0),
+    "top_k": (None, 0, -1),
+    "min_p": (None, 0.0),
+    "repetition_penalty": (None, 1.0),
+    "presence_penalty": (None, 0.0),
+    "frequency_penalty": (None, 0.0),
+    "min_tokens": (None, 0),
+    "bad_words": (None, []),
+    "logit_bias": (None, {}),
+    "allowed_token_ids": (None, []),
+    "logits_processors": (None, []),
+    "structured_outputs": (None,),
+    "guided_decoding": (None,),
+}
+
+
+def check_vllm_sampling(args) -> None:
+    """Refuse sampling settings under which vLLM draws from a processed distribution (``use_vllm=True``).
+
+    vLLM returns one log-prob per sampled token, of the distribution it sampled from after penalties, temperature,
+    min-p and top-k/top-p, renormalised over the kept tokens. That is the true behavior policy, but not the
+    untruncated ``softmax(logits / T)`` that the trainer's forward scores and that A-3PO's proximal policy is anchored
+    at: a fully on-policy token would get the ratio ``pi_theta / pi_prox`` equal to the kept probability mass instead
+    of 1 (0.8 at ``top_p=0.8``; at 0.7 every negative-advantage token is clipped away). The ``generate`` backend
+    records both log-probs (:class:`~a3po_trl.generation.hf.sampling.GenerationLogpsRecorder`)."""
+    settings = {name: getattr(args, name) for name in ("top_p", "top_k", "min_p", "repetition_penalty")}
+    kwargs = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
+    settings.update({name: value for name, value in kwargs.items() if name in _NEUTRAL_SAMPLING})
+    for name, value in settings.items():
+        neutral = _NEUTRAL_SAMPLING[name]
+        if value not in neutral:
+            where = "generation_kwargs" if name in kwargs else "the config"
+            raise ValueError(
+                f"{name}={value!r} (in {where}) is not supported with use_vllm=True: vLLM reports only the log-probs "
+                f"of the distribution it samples from after {name}, not those of the untruncated policy that "
+                "A-3PO's trust region is anchored at, so even on-policy tokens would be clipped by the kept "
+                f"probability mass. Set {name}={neutral[1]!r}, or generate with use_vllm=False: the generate "
+                f"backend records both log-probs and supports {name}."
+            )
+
+
+def check_vllm_settings(args) -> None:
+    """Refuse, before any model is loaded, the vLLM settings this trainer cannot honour (``use_vllm=True``)."""
+    if not args.use_vllm:
+        return
+    if args.vllm_mode not in _VLLM_MODES:
+        raise ValueError(f"vllm_mode={args.vllm_mode!r} must be one of {_VLLM_MODES}.")
+    check_vllm_sampling(args)
+    defaults = GRPOConfig.__dataclass_fields__
+    if not args.vllm_importance_sampling_correction:
+        raise ValueError(
+            "vllm_importance_sampling_correction=False cannot be honoured by AsyncA3POTrainer: the behavior log-probs "
+            "are vLLM's, and the decoupled objective's behavior weight pi_prox / pi_behav corrects both staleness "
+            "and the vLLM/trainer mismatch; it cannot be turned off. Leave it True (its cap is behavior_weight_cap)."
+        )
+    for name in (
+        "vllm_importance_sampling_mode",
+        "vllm_importance_sampling_clip_max",
+        "vllm_importance_sampling_clip_min",
+    ):
+        if getattr(args, name) != defaults[name].default:
+            raise ValueError(
+                f"{name}={getattr(args, name)!r} is not used by AsyncA3POTrainer: the vLLM/trainer mismatch is "
+                "corrected by the decoupled objective's behavior weight pi_prox / pi_behav, capped by "
+                "behavior_weight_cap and behavior_weight_cap_mode (modes token_mask, token_truncate, sequence_mask, "
+                f"sequence_truncate). Set those instead and leave {name} at its default."
+            )
+    if args.vllm_enable_sleep_mode:
+        raise ValueError(
+            "vllm_enable_sleep_mode=True is not supported: the engine generates while the trainer trains, so its "
+            "memory cannot be released between steps. Lower vllm_gpu_memory_utilization to leave the trainer room."
+        )
+    if args.vllm_structured_outputs_regex is not None:
+        raise ValueError(
+            "vllm_structured_outputs_regex is not supported by AsyncA3POTrainer: constrained decoding samples from a "
+            "masked distribution that the training log-probs do not score. Remove it, or use trl.GRPOTrainer."
+        )
+    if args.vllm_mode == "colocate" and args.vllm_tensor_parallel_size != 1:
+        raise ValueError(
+            f"vllm_tensor_parallel_size={args.vllm_tensor_parallel_size} is not supported in colocate mode (each "
+            "process's generation thread drives its own engine, and tensor parallelism would need collectives from "
+            "that thread). Use vllm_mode='server' with a tensor-parallel server (`trl vllm-serve "
+            "--tensor-parallel-size N`), or vllm_tensor_parallel_size=1."
+        )
+
 
 _UNSUPPORTED_ARGS = {
     "use_transformers_continuous_batching": (

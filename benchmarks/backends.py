@@ -57,7 +57,7 @@ def _free_port() -> int:
 
 def _model_dir(name: str) -> str:
     sys.path.insert(0, str(HERE.parent))
-    from a3po_trl.models import resolve_model_path
+    from a3po_trl.tasks.offline_model import resolve_model_path
 
     return resolve_model_path("smollm2-135m-instruct" if name == "smollm2" else name)
 
@@ -68,7 +68,7 @@ def _start_server(options, model_dir: str, log_path: Path):
     command = [
         trl, "vllm-serve", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
         "--max_model_len", str(options.max_model_len), "--skip-tokenizer-init",
-        "--worker-extension-cls", "a3po_trl.generation.vllm_worker.A3POWorkerExtension",
+        "--worker-extension-cls", "a3po_trl.generation.vllm.worker.A3POWorkerExtension",
     ]  # fmt: skip
     env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "OMP_NUM_THREADS": str(options.threads)}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; without it vLLM's CPU backend reserves 90% of the memory
@@ -103,8 +103,8 @@ def _run_one(options) -> dict:
     from peft import LoraConfig
 
     from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
-    from a3po_trl.rewards import correctness_reward, format_reward
     from a3po_trl.tasks import make_math_splits
+    from a3po_trl.tasks.rewards import correctness_reward, format_reward
 
     backend = options.run_one
     train, _ = make_math_splits(256, 16, "easy", options.seed)

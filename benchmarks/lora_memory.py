@@ -58,7 +58,7 @@ def load_model(name: str):
         return make_model(make_tokenizer())
     from transformers import AutoModelForCausalLM
 
-    from a3po_trl.models import resolve_model_path
+    from a3po_trl.tasks.offline_model import resolve_model_path
 
     return AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=torch.float32)
 

@@ -106,9 +106,10 @@ def _run_one(options, name: str, seed: int) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer, evaluate_accuracy
-    from a3po_trl.models import resolve_model_path
-    from a3po_trl.rewards import correctness_reward, format_reward
+    from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
+    from a3po_trl.tasks import evaluate_accuracy
+    from a3po_trl.tasks.offline_model import resolve_model_path
+    from a3po_trl.tasks.rewards import correctness_reward, format_reward
 
     settings = _settings(options)
     train, held_out, subset = _data(options, settings["system_prompt"])
@@ -208,7 +209,7 @@ def _run_one(options, name: str, seed: int) -> dict:
 
 def _summarize(options, names, seeds) -> str:
     sys.path.insert(0, str(ROOT))
-    from a3po_trl.evaluation import paired_accuracy_test
+    from a3po_trl.tasks.evaluation import paired_accuracy_test
 
     runs_dir = Path(options.out) / "runs"
     runs = {}

@@ -39,9 +39,9 @@ from transformers import AutoTokenizer
 from trl import ModelConfig, TrlParser, get_peft_config
 
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
-from a3po_trl.models import resolve_model_path
-from a3po_trl.rewards import correctness_reward
 from a3po_trl.tasks import make_math_splits
+from a3po_trl.tasks.offline_model import resolve_model_path
+from a3po_trl.tasks.rewards import correctness_reward
 
 SYSTEM_PROMPT = "Use the calculator tool for arithmetic. End your final answer with '#### <number>'."
 #: Appended to every problem: without it (and the worked example below) SmolLM2-135M almost never writes a tool call

@@ -38,11 +38,11 @@ import torch
 from transformers import TrainerCallback
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
-from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer, evaluate_accuracy, plot_training
-from a3po_trl.evaluation import paired_accuracy_test
-from a3po_trl.models import DEFAULT_MODEL, resolve_model_path
-from a3po_trl.rewards import correctness_reward, format_reward
-from a3po_trl.tasks import load_gsm8k, make_math_splits
+from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
+from a3po_trl.tasks import evaluate_accuracy, load_gsm8k, make_math_splits, plot_training
+from a3po_trl.tasks.evaluation import paired_accuracy_test
+from a3po_trl.tasks.offline_model import DEFAULT_MODEL, resolve_model_path
+from a3po_trl.tasks.rewards import correctness_reward, format_reward
 
 #: System prompt of the demo: short answers fit the small completion budget a CPU run can afford.
 DEMO_SYSTEM_PROMPT = "Answer briefly. End with '#### <number>'."

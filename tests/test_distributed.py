@@ -102,7 +102,7 @@ def test_reward_models_and_batch_normalised_advantages_use_every_process(tmp_pat
     as GRPOTrainer computes it."""
     import torch
 
-    from a3po_trl.scoring import group_advantages
+    from a3po_trl.functional import group_advantages
 
     port = 29950 + hash(name) % 40
     reports = _launch(tmp_path, name, False, port, "--reward-model")

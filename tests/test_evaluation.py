@@ -7,8 +7,8 @@ import pytest
 import torch
 from tiny import make_model, make_prompts
 
-from a3po_trl import evaluate_accuracy
-from a3po_trl.evaluation import paired_accuracy_test
+from a3po_trl.tasks import evaluate_accuracy
+from a3po_trl.tasks.evaluation import paired_accuracy_test
 
 
 class ScriptedModel(torch.nn.Module):

@@ -15,7 +15,7 @@ from test_trainer import first_batch_with_logps, logged, make_trainer
 from tiny import length_reward, make_model, make_prompts
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from a3po_trl import sampling
+from a3po_trl.generation.hf import sampling
 
 
 def _generation_thread() -> bool:

@@ -12,7 +12,7 @@ from tiny import digit_reward, length_reward, make_model, make_moe_model, make_p
 from trl import GRPOConfig, GRPOTrainer
 
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer, behavior_importance_weight
-from a3po_trl.model_patches import align_position_ids_with_generation
+from a3po_trl.patches import align_position_ids_with_generation
 
 SETTINGS = dict(
     per_device_train_batch_size=4,

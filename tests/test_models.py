@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from a3po_trl import models
-from a3po_trl.models import DEFAULT_MODEL, ModelCacheError, ensure_smollm2, resolve_model_path
+from a3po_trl.tasks import offline_model as models
+from a3po_trl.tasks.offline_model import DEFAULT_MODEL, ModelCacheError, ensure_smollm2, resolve_model_path
 
 
 @pytest.fixture(scope="session")

@@ -12,8 +12,9 @@ from test_trainer import COMMON, logged
 from tiny import CALL, DONE, encode, make_model, make_tool_tokenizer, scripted_generate
 
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
-from a3po_trl.generation.backend import GeneratedCompletions, GenerationBackend, GenerationStopped
-from a3po_trl.multi_turn import NO_VERSION, AgentSettings, ToolCaller, generate_with_tools
+from a3po_trl.generation.backend import GenerationBackend
+from a3po_trl.rollout.multi_turn import NO_VERSION, AgentSettings, ToolCaller, generate_with_tools
+from a3po_trl.types import GeneratedCompletions, GenerationStopped
 
 
 def multiply(a: int, b: int) -> int:

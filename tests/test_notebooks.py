@@ -20,7 +20,7 @@ NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 @pytest.fixture(scope="module")
 def smollm2_dir():
-    from a3po_trl.models import ensure_smollm2
+    from a3po_trl.tasks.offline_model import ensure_smollm2
 
     return ensure_smollm2()
 

@@ -6,8 +6,9 @@ import sys
 
 from tiny import length_reward, make_model, make_prompts
 
-from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer, plot_training
-from a3po_trl.plotting import _eval_points, load_metrics
+from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
+from a3po_trl.tasks import plot_training
+from a3po_trl.tasks.plotting import _eval_points, load_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

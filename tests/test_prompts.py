@@ -5,7 +5,7 @@ from datasets import Dataset, IterableDataset
 from test_trainer import logged, make_trainer
 from tiny import make_prompts
 
-from a3po_trl.prompts import repeated_prompt_batches
+from a3po_trl.rollout.prompt_batches import repeated_prompt_batches
 
 
 def _texts(rows):

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from a3po_trl.rewards import (
+from a3po_trl.tasks.rewards import (
     FORMAT_REWARD,
     completion_to_text,
     correctness_reward,

@@ -8,9 +8,10 @@ from tiny import length_reward, make_model
 from transformers import GenerationConfig
 from trl.trainer.utils import add_fused_lm_head
 
+from a3po_trl.functional import group_advantages
 from a3po_trl.generation import HFGenerateBackend, HFGenerationSettings
 from a3po_trl.rollout import RolloutSettings, run_rollout
-from a3po_trl.scoring import group_advantages, score_completions
+from a3po_trl.rollout.scoring import score_completions
 
 
 def _std(values):
@@ -164,7 +165,7 @@ def test_recorder_falls_back_to_a_forward_when_generate_does_not_step_once_per_t
     for source in ("generation", "forward"):
         torch.manual_seed(0)
         chunked = _backend(model, tokenizer, source, 1.0, prefill_chunk_size=4)
-        with caplog.at_level("WARNING", logger="a3po_trl.generation.hf_generate"):
+        with caplog.at_level("WARNING", logger="a3po_trl.generation.hf.backend"):
             results[source] = run_rollout(_rollout_settings(tokenizer), chunked, rows).tensors
         assert not chunked.module._forward_hooks
     assert caplog.text.count("could not be recorded during generation") == 1

@@ -9,9 +9,9 @@ from test_trainer import logged, make_trainer
 from tiny import make_prompts
 from transformers import TrainerCallback
 
-from a3po_trl.schedule import (
+from a3po_trl.config import largest_version_span
+from a3po_trl.generation.schedule import (
     TrainingLoopShape,
-    largest_version_span,
     oldest_allowed_version,
     plan_generation_batches,
     run_micro_steps,

@@ -8,10 +8,10 @@ import torch
 from tiny import length_reward
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer, evaluate_accuracy
-from a3po_trl.models import ensure_smollm2
-from a3po_trl.rewards import correctness_reward, format_reward
-from a3po_trl.tasks import make_math_splits
+from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
+from a3po_trl.tasks import evaluate_accuracy, make_math_splits
+from a3po_trl.tasks.offline_model import ensure_smollm2
+from a3po_trl.tasks.rewards import correctness_reward, format_reward
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,6 @@ import datasets
 import pyarrow as pa
 import pytest
 
-from a3po_trl.rewards import correctness_reward, extract_reference_answer
 from a3po_trl.tasks import (
     DEFAULT_SYSTEM_PROMPT,
     difficulty_spec,
@@ -21,6 +20,7 @@ from a3po_trl.tasks import (
     make_math_splits,
     to_prompt_dataset,
 )
+from a3po_trl.tasks.rewards import correctness_reward, extract_reference_answer
 
 # ----------------------------------------------------------------------------------------------------------------
 # An independent checker of generated solutions

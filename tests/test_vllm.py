@@ -20,7 +20,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer  # noqa: E402
 from a3po_trl.generation import GenerationStopped  # noqa: E402
-from a3po_trl.generation.backend import pad_rows  # noqa: E402
+from a3po_trl.padding import pad_rows  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -230,7 +230,7 @@ def _start_server(model_dir, port, log_path):
     command = [
         trl, "vllm-serve", "--model", str(model_dir), "--dtype", "float32", "--enforce_eager", "true",
         "--host", "127.0.0.1", "--port", str(port), "--max_model_len", "256", "--skip-tokenizer-init",
-        "--worker-extension-cls", "a3po_trl.generation.vllm_worker.A3POWorkerExtension",
+        "--worker-extension-cls", "a3po_trl.generation.vllm.worker.A3POWorkerExtension",
         "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--max-cpu-loras", "8",
     ]  # fmt: skip
     env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "OMP_NUM_THREADS": "1"}
@@ -373,7 +373,7 @@ def test_server_full_weight_versions_reload_and_their_logps_match_the_trainer(to
 
 
 def test_server_down_at_start_is_an_error_naming_the_url_within_the_timeout(tokenizer, tmp_path):
-    from a3po_trl.generation.vllm_server import VLLMServerError
+    from a3po_trl.generation.vllm.server import VLLMServerError
 
     url = f"http://127.0.0.1:{_free_port()}"
     args = AsyncA3POConfig(
@@ -398,7 +398,7 @@ def test_server_down_at_start_is_an_error_naming_the_url_within_the_timeout(toke
 def test_a_weight_sync_that_hangs_fails_after_its_timeout(tokenizer, tmp_path, vllm_server):
     import socket
 
-    from a3po_trl.generation.vllm_server import VLLMServerError
+    from a3po_trl.generation.vllm.server import VLLMServerError
 
     trainer = make_server_trainer(tokenizer, tmp_path, vllm_server, weight_sync_timeout=1.0)
     backend = trainer._build_backend()
@@ -426,7 +426,7 @@ def test_training_against_the_server_then_its_death_ends_train_within_seconds_ch
 
     from transformers import TrainerCallback
 
-    from a3po_trl.generation.vllm_server import VLLMServerError
+    from a3po_trl.generation.vllm.server import VLLMServerError
 
     killed_at = {}
 

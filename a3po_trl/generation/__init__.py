@@ -1,15 +1,20 @@
-"""Generation: the versioned engine (thread, queue, admission control) and the backends it drives.
+"""Generation: the versioned engine (thread, queue, admission control, schedule) and the backends it drives.
 
-- :mod:`.engine`: :class:`GenerationEngine`, :class:`VersionedSampleQueue`, :class:`ScoredBatch`; backend-agnostic.
-- :mod:`.backend`: :class:`GenerationBackend`, the one interface a backend implements, with the versioned weights.
-- :mod:`.hf_generate`: :class:`HFGenerateBackend`, Hugging Face ``generate`` on the generator's own copy (default).
-- :mod:`.vllm_colocate` / :mod:`.vllm_server`: vLLM in-process, or a ``trl vllm-serve`` server (``use_vllm=True``);
-  imported on demand, so vLLM is needed only when used.
+- :mod:`.engine`: :class:`GenerationEngine`, the admission-controlled producer thread; :mod:`.queue`:
+  :class:`VersionedSampleQueue`; both backend-agnostic.
+- :mod:`.schedule`: which weight version trains on each micro-step, and so which versions may generate each batch.
+- :mod:`.backend`: :class:`GenerationBackend`, the one interface a backend implements, with the versioned weights;
+  :mod:`.version_checkpoint`: the versions kept for a reproducible resume, in a checkpoint.
+- :mod:`.hf`: :class:`HFGenerateBackend`, Hugging Face ``generate`` on the generator's own copy (default).
+- :mod:`.vllm`: vLLM in-process (colocate), or a ``trl vllm-serve`` server (``use_vllm=True``); imported on demand, so
+  vLLM is needed only when used.
 """
 
-from .backend import GeneratedCompletions, GenerationBackend, GenerationStopped
-from .engine import GenerationEngine, ScoredBatch, VersionedSampleQueue
-from .hf_generate import HFGenerateBackend, HFGenerationSettings
+from ..types import GeneratedCompletions, GenerationStopped, ScoredBatch
+from .backend import GenerationBackend
+from .engine import GenerationEngine
+from .hf import HFGenerateBackend, HFGenerationSettings
+from .queue import VersionedSampleQueue
 
 __all__ = [
     "GeneratedCompletions",

@@ -19,34 +19,12 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from trl.trainer.utils import pad
 
-
-class GenerationStopped(Exception):
-    """Raised inside the generation thread when the engine is asked to stop; never escapes the engine."""
-
-
-@dataclass
-class GeneratedCompletions:
-    """What a backend returns for a batch of prompts."""
-
-    completion_ids: list[list[int]]
-    """Per prompt, the generated token ids, cut after the first EOS token."""
-    logps: list[torch.Tensor]
-    """Per prompt, the behavior log-probs of those tokens under the temperature-scaled distribution of the weights
-    that generated them (1-D float tensors, one value per token): what the trainer's forward scores, the anchor of
-    A-3PO's proximal policy."""
-    sampling_logps: list[torch.Tensor] | None = None
-    """Per prompt, the log-probs of those tokens under the distribution they were drawn from, when the sampler
-    processed the policy's distribution first (top-k/p, min-p, penalties: truncated and renormalised); ``None`` when
-    it sampled ``softmax(logits / temperature)`` itself, i.e. the same values as :attr:`logps`."""
-    timings: dict[str, float] = field(default_factory=dict)
-    """Seconds spent on parts of the call worth reporting apart (e.g. ``behavior_logps`` for a separate forward)."""
+from ..types import GeneratedCompletions
 
 
 class GenerationBackend(ABC):
@@ -222,16 +200,3 @@ def module_device(module: nn.Module) -> torch.device:
     for param in module.parameters():
         return param.device
     return torch.device("cpu")
-
-
-def pad_rows(rows: list[list[int]], pad_value: int, side: str, pad_to_multiple_of: int | None = None):
-    """Token id rows padded into ``(ids, mask)`` tensors on the given side."""
-    tensors = [torch.tensor(row, dtype=torch.long) for row in rows]
-    ids = pad(tensors, padding_value=pad_value, padding_side=side, pad_to_multiple_of=pad_to_multiple_of)
-    mask = pad(
-        [torch.ones_like(t) for t in tensors],
-        padding_value=0,
-        padding_side=side,
-        pad_to_multiple_of=pad_to_multiple_of,
-    )
-    return ids, mask

@@ -11,79 +11,14 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .backend import GenerationBackend, GenerationStopped
-
-
-@dataclass
-class ScoredBatch:
-    """One generation batch, scored, as the generator hands it to the trainer."""
-
-    index: int
-    """Position of the batch in this run's sequence of generation batches (0-based)."""
-    version: int
-    """Policy version (optimizer steps applied) of the weights the batch started generating with. Every token of a
-    single-turn batch comes from it; later turns of a multi-turn batch may come from newer versions, and
-    ``tensors["token_versions"]`` records the version of each token."""
-    tensors: dict[str, Any]
-    """Padded tensors (prompt/completion ids and masks, behavior log-probs, advantages, ...)."""
-    rewards_per_func: torch.Tensor
-    """``(B, num_reward_funcs)`` raw rewards of this process's rows, NaN where a function returned None (or was left
-    to the trainer)."""
-    texts: dict[str, list] = field(default_factory=dict)
-    """Prompts and completions, as the reward functions received them."""
-    timings: dict[str, float] = field(default_factory=dict)
-    """Seconds spent generating, scoring, and waiting for the staleness bound."""
-    rows: list[dict] = field(default_factory=list)
-    """The dataset rows the batch was generated for."""
-    extra_logs: dict[str, list] = field(default_factory=dict)
-    """Columns reward functions added to the completions table (``log_extra``)."""
-    logged_metrics: dict[str, list[float]] = field(default_factory=dict)
-    """Values reward functions logged (``log_metric``)."""
-    environments: list | None = None
-    """The environment instances of the batch's rollouts (``environment_factory``), or None."""
-
-
-class VersionedSampleQueue:
-    """A bounded FIFO of :class:`ScoredBatch` with a close flag; ``get`` and ``put`` wait with a timeout."""
-
-    def __init__(self, maxsize: int):
-        if maxsize < 1:
-            raise ValueError(f"queue size must be >= 1, got {maxsize}")
-        self.maxsize = maxsize
-        self._items: deque[ScoredBatch] = deque()
-        self._cond = threading.Condition()
-        self.max_depth_seen = 0
-
-    def put(self, item: ScoredBatch, should_stop: Callable[[], bool], poll: float = 0.1) -> None:
-        with self._cond:
-            while len(self._items) >= self.maxsize:
-                if should_stop():
-                    raise GenerationStopped
-                self._cond.wait(poll)
-            self._items.append(item)
-            self.max_depth_seen = max(self.max_depth_seen, len(self._items))
-            self._cond.notify_all()
-
-    def get(self, timeout: float) -> ScoredBatch | None:
-        with self._cond:
-            if not self._items:
-                self._cond.wait(timeout)
-            if not self._items:
-                return None
-            item = self._items.popleft()
-            self._cond.notify_all()
-            return item
-
-    def __len__(self) -> int:
-        with self._cond:
-            return len(self._items)
+from ..types import GenerationStopped, ScoredBatch
+from .backend import GenerationBackend
+from .queue import VersionedSampleQueue
 
 
 class GenerationEngine:

@@ -45,7 +45,7 @@ def profile_summary(path: str) -> dict | None:
         ("rewards", ("score_completions",)),
         ("rewards", ("_calculate_rewards",)),
         ("wait: generator waits for staleness bound", ("_wait_for_version",)),
-        ("wait: queue full", ("put (", "generation/engine.py")),
+        ("wait: queue full", ("put (", "generation/queue.py")),
         ("wait: trainer waits for samples", ("get (", "generation/engine.py")),
         ("batch intake (move, gather, metrics)", ("_take_scored_batch",)),
         ("weight refresh (generator copy)", ("refresh (", "generation/backend.py")),

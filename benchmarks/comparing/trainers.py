@@ -24,7 +24,7 @@ def load_model_and_tokenizer(common):
 
     name = common["model"]
     if model_key(name) == "smollm2":
-        from a3po_trl.models import resolve_model_path
+        from a3po_trl.tasks.offline_model import resolve_model_path
 
         name = resolve_model_path("smollm2-135m-instruct")
     tokenizer = AutoTokenizer.from_pretrained(name)
@@ -42,7 +42,7 @@ def arithmetic_dataset(common):
 
 
 def reward_functions(common):
-    from a3po_trl.rewards import correctness_reward, format_reward
+    from a3po_trl.tasks.rewards import correctness_reward, format_reward
 
     funcs = [correctness_reward, format_reward]
     if common["model"] == "tiny":

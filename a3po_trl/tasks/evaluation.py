@@ -54,7 +54,7 @@ def evaluate_accuracy(
     Each conversational ``prompt`` goes through the tokenizer's chat template with the generation prompt (plain
     string prompts are used as they are); prompts are left-padded and decoded greedily in batches of
     ``batch_size`` (sorted by length to limit padding). Every completion is scored with
-    :func:`a3po_trl.rewards.correctness_reward` against the ``answer`` column (a GSM8K solution ending in
+    :func:`a3po_trl.tasks.rewards.correctness_reward` against the ``answer`` column (a GSM8K solution ending in
     ``#### N`` or a bare number).
 
     Args:

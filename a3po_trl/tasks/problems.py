@@ -5,7 +5,7 @@ Every dataset built here has the columns:
 * ``prompt``: conversational, ``[{"role": "system", ...}, {"role": "user", "content": question}]``; the system
   message asks the model to end with ``#### <number>``.
 * ``question``: the problem text.
-* ``answer``: a GSM8K-style solution ending in ``#### N``, as :func:`a3po_trl.rewards.correctness_reward` expects.
+* ``answer``: a GSM8K-style solution ending in ``#### N``, as :func:`.rewards.correctness_reward` expects.
 
 Sources are the real GSM8K (:func:`load_gsm8k`, from the hub or from local files) and an offline generator of
 GSM8K-style problems with exactly known integer answers (:func:`generate_arithmetic_problems`,

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .backend import GeneratedCompletions, full_shape
+from ...types import GeneratedCompletions
+from ..backend import full_shape
 
 #: The ranks of vLLM LoRA slots go by powers of two up to this (``max_lora_rank`` must be one of them).
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -35,7 +36,7 @@ class VLLMSamplingSettings:
 def sampling_params(settings: VLLMSamplingSettings, seed: int | None):
     """One ``SamplingParams`` for one prompt: one completion, the sampled token's log-prob (``logprobs=0``, which
     the engine reports as ``processed_logprobs``: with the neutral truncation and penalties that
-    :func:`~a3po_trl.generation.vllm_setup.check_vllm_sampling` enforces, ``log softmax(logits / T)``, what the
+    :func:`~a3po_trl.validation.check_vllm_sampling` enforces, ``log softmax(logits / T)``, what the
     trainer's forward scores), no detokenizing."""
     from vllm import SamplingParams
 

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 from trl.data_utils import is_conversational
-from trl.trainer.utils import pad
 
-from .custom_rollout import run_rollout_func
-from .generation.backend import GenerationBackend, pad_rows
-from .generation.engine import ScoredBatch
+from ..generation.backend import GenerationBackend
+from ..padding import pad_rows, pad_values
+from ..types import ScoredBatch, ToolStats
+from .custom import run_rollout_func
 from .multi_turn import (
     NO_VERSION,
     AgentSettings,
@@ -57,7 +57,7 @@ class RolloutSettings:
     agent: AgentSettings | None = None
     """Tools and environments (multi-turn rollouts), or None."""
     rollout_func: Callable | None = None
-    """GRPOTrainer's ``rollout_func(prompts, trainer)`` (see :mod:`a3po_trl.custom_rollout`), or None."""
+    """GRPOTrainer's ``rollout_func(prompts, trainer)`` (see :mod:`a3po_trl.rollout.custom`), or None."""
     rollout_owner: Any = None
     """What ``rollout_func`` receives as its trainer."""
 
@@ -75,7 +75,7 @@ def run_rollout(
     ``trainer_state`` is what reward functions receive as ``trainer_state`` (the state of the weights' version);
     ``index`` is the batch's position in the run (for its sampling seed). Values reward functions pass to
     ``log_metric`` and ``log_extra`` are kept with the batch for the trainer to log. With tools or environments
-    (``settings.agent``) the rollout is multi-turn (:mod:`a3po_trl.multi_turn`).
+    (``settings.agent``) the rollout is multi-turn (:mod:`a3po_trl.rollout.multi_turn`).
     """
     seed = settings.sampling_seeds(index) if settings.sampling_seeds is not None else None
     environments, extra_fields = None, {}
@@ -118,26 +118,28 @@ def run_rollout(
         "prompt_mask": prompt_mask,
         "completion_ids": completion_ids,
         "completion_mask": completion_mask,
-        "behavior_logps": _padded(trajectories.logps, 0.0, width, torch.float32),
-        "token_versions": _padded(trajectories.versions, NO_VERSION, width, torch.long),
-        "is_truncated": is_truncated,
+        "behavior_logps": pad_values(trajectories.logps, 0.0, width, torch.float32),
+        "token_versions": pad_values(trajectories.versions, NO_VERSION, width, torch.long),
     }
     if trajectories.sampling_logps is not None:  # the sampler drew from a processed (truncated, penalised) policy
-        tensors["sampling_logps"] = _padded(trajectories.sampling_logps, 0.0, width, torch.float32)
+        tensors["sampling_logps"] = pad_values(trajectories.sampling_logps, 0.0, width, torch.float32)
     if trajectories.tool_mask is not None:
-        tool_mask = _padded(trajectories.tool_mask, 1, width, torch.long)
+        tool_mask = pad_values(trajectories.tool_mask, 1, width, torch.long)
         if settings.mask_truncated_completions:
             tool_mask = tool_mask * (~is_truncated).unsqueeze(1).long()
         tensors["tool_mask"] = tool_mask
-        tensors["completion_lengths"] = torch.tensor([sum(mask) for mask in trajectories.tool_mask])
-        if settings.agent is not None:  # tool statistics, logged as GRPOTrainer logs them with tools
-            tensors["tool_result_lengths"] = torch.tensor([len(m) - sum(m) for m in trajectories.tool_mask])
-            tensors["turns"] = torch.tensor(trajectories.turns)
-            tensors["tool_counts"] = torch.tensor(
-                [trajectories.tool_calls, trajectories.tool_failures, trajectories.tool_timeouts]
-            )
+        completion_lengths = torch.tensor([sum(mask) for mask in trajectories.tool_mask])
     else:
-        tensors["completion_lengths"] = torch.tensor([len(ids) for ids in completion_ids_list])
+        completion_lengths = torch.tensor([len(ids) for ids in completion_ids_list])
+    tool_stats = None
+    if settings.agent is not None and trajectories.tool_mask is not None:  # logged as GRPOTrainer logs them
+        tool_stats = ToolStats(
+            turns=torch.tensor(trajectories.turns),
+            tool_result_lengths=torch.tensor([len(m) - sum(m) for m in trajectories.tool_mask]),
+            calls=trajectories.tool_calls,
+            failures=trajectories.tool_failures,
+            timeouts=trajectories.tool_timeouts,
+        )
 
     completions = trajectories.completions
     extra_logs: dict[str, list] = defaultdict(list)
@@ -170,6 +172,9 @@ def run_rollout(
         version=-1,
         tensors=tensors,
         rewards_per_func=rewards_per_func,
+        is_truncated=is_truncated,
+        completion_lengths=completion_lengths,
+        tool_stats=tool_stats,
         texts={"prompt": prompts, "completion": completions},
         timings=timings,
         rows=rows,
@@ -195,13 +200,6 @@ def generate_single_turn(settings, backend, prompts, prompt_ids, should_stop, se
         completions=settings.decode(generated.completion_ids, prompt_ids, prompts),
         timings=timings,
     )
-
-
-def _padded(rows, value, width: int, dtype) -> torch.Tensor:
-    """Rows (lists or 1-D tensors) right-padded with ``value`` to ``width`` columns."""
-    tensors = [torch.as_tensor(row, dtype=dtype) for row in rows]
-    padded = pad(tensors, padding_value=value, padding_side="right")
-    return torch.nn.functional.pad(padded, (0, width - padded.size(1)), value=value)
 
 
 def decode_completions(tokenizer, completion_ids, prompt_ids, prompts):

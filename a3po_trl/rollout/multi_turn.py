@@ -32,7 +32,8 @@ from typing import Any
 
 from trl import GRPOTrainer
 
-from .generation.backend import GenerationBackend, GenerationStopped
+from ..generation.backend import GenerationBackend
+from ..types import GenerationStopped
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Code that runs inside vLLM's workers: the trainer's extension of a server's workers, and its in-process calls.
 
 Start a server that the trainer loads full-weight versions into (CPU path) with
-``--worker-extension-cls a3po_trl.generation.vllm_worker.A3POWorkerExtension``; the trainer then calls
+``--worker-extension-cls a3po_trl.generation.vllm.worker.A3POWorkerExtension``; the trainer then calls
 ``a3po_repack_lm_head`` through ``/collective_rpc`` after each weight reload.
 """
 

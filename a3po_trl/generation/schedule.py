@@ -132,12 +132,3 @@ def oldest_allowed_version(batch: PlannedBatch, max_staleness: int, start_versio
     """The oldest weights that may generate ``batch`` so that no micro-step trains on it more than ``max_staleness``
     versions later. Never newer than the weights the trainer has when it needs the batch (``first_version``)."""
     return min(max(start_version, batch.last_version - max_staleness), batch.first_version)
-
-
-def largest_version_span(micro_steps_per_batch: int, gradient_accumulation_steps: int) -> int:
-    """Largest number of versions that train on one generation batch, over every alignment of batches and
-    accumulation windows that the loop can produce (both restart at each epoch, so a batch starts at a multiple of
-    ``micro_steps_per_batch`` counted from a window boundary). A shorter last window of an epoch only truncates a
-    window, so it never makes a batch span more versions."""
-    every, accumulation = micro_steps_per_batch, gradient_accumulation_steps
-    return max(((j + 1) * every - 1) // accumulation - (j * every) // accumulation + 1 for j in range(accumulation))

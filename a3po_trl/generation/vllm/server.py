@@ -10,8 +10,8 @@ Each published version reaches the server between batches, so a batch is generat
   fast path.
 - Full weights on CPU (no NCCL): the version is written as safetensors to a directory the server can read and
   loaded with the worker's ``reload_weights`` through ``/collective_rpc``; a tied LM head is then re-packed by
-  :class:`~a3po_trl.generation.vllm_worker.A3POWorkerExtension` (start the server with
-  ``--worker-extension-cls a3po_trl.generation.vllm_worker.A3POWorkerExtension``).
+  :class:`~a3po_trl.generation.vllm.worker.A3POWorkerExtension` (start the server with
+  ``--worker-extension-cls a3po_trl.generation.vllm.worker.A3POWorkerExtension``).
 
 Every call has a timeout and no retries: a server that is down or dies fails the batch with an error naming the URL
 within seconds (``vllm_server_timeout`` at start, ``weight_sync_timeout`` for loading a version,
@@ -30,8 +30,8 @@ from itertools import groupby
 import torch
 from torch import nn
 
-from .backend import GenerationBackend
-from .vllm_common import (
+from ..backend import GenerationBackend
+from .common import (
     VLLMSamplingSettings,
     active_lora,
     checkpoint_name,
@@ -198,7 +198,7 @@ class VLLMServerBackend(GenerationBackend):
                 raise VLLMServerError(
                     f"{error}. This model ties its LM head to its embedding, which vLLM keeps a packed copy of that a "
                     "weight reload leaves stale; start the server with `--worker-extension-cls "
-                    "a3po_trl.generation.vllm_worker.A3POWorkerExtension` so the trainer can refresh it."
+                    "a3po_trl.generation.vllm.worker.A3POWorkerExtension` so the trainer can refresh it."
                 ) from error
         self._post("/reset_prefix_cache", self.sync_timeout)
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .generation.backend import GenerationBackend
+from ..generation.backend import GenerationBackend
 from .multi_turn import NO_VERSION, Trajectories, turn_seed
 
 _REQUIRED_KEYS = ("prompt_ids", "completion_ids", "logprobs")

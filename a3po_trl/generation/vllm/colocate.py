@@ -28,8 +28,9 @@ import uuid
 import torch
 from torch import nn
 
-from .backend import GenerationBackend, GenerationStopped
-from .vllm_common import (
+from ...types import GenerationStopped
+from ..backend import GenerationBackend
+from .common import (
     VLLMSamplingSettings,
     active_lora,
     base_checkpoint_tensors,
@@ -42,7 +43,7 @@ from .vllm_common import (
     unsupported_lora_reason,
     write_lora_adapter,
 )
-from .vllm_worker import repack_lm_head
+from .worker import repack_lm_head
 
 logger = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ When the training module's parameters are sharded (DeepSpeed ZeRO-3), ``gather``
 fresh from the model's config and loaded with the gathered weights (nothing can be shared), and every publication
 gathers the trainable weights; both happen in the main thread, on every process together.
 
-Sampling draws from the backend's own ``torch.Generator`` (:class:`~a3po_trl.sampling.OwnStreamSampling`) for
+Sampling draws from the backend's own ``torch.Generator`` (:class:`~.sampling.OwnStreamSampling`) for
 plain sampling, and the behavior log-probs are recorded while generating
-(:class:`~a3po_trl.sampling.GenerationLogpsRecorder`) or, where ``generate`` does not run one forward per token,
+(:class:`~.sampling.GenerationLogpsRecorder`) or, where ``generate`` does not run one forward per token,
 computed with one extra forward. When the sampler truncates or penalises the policy's distribution (top-k/p, min-p,
 repetition penalties, ...), the log-probs of the distribution each token was drawn from are recorded as well
 (:attr:`GeneratedCompletions.sampling_logps`).
@@ -30,20 +30,13 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, StoppingCriteriaList
 
-from ..sampling import GenerationLogpsRecorder, OwnStreamSampling
-from .backend import (
-    GeneratedCompletions,
-    GenerationBackend,
-    GenerationStopped,
-    module_device,
-    pad_rows,
-    same_device,
-)
+from ...config import BEHAVIOR_LOGPS_SOURCES
+from ...padding import pad_rows
+from ...types import GeneratedCompletions, GenerationStopped
+from ..backend import GenerationBackend, module_device, same_device
+from .sampling import GenerationLogpsRecorder, OwnStreamSampling
 
 logger = logging.getLogger(__name__)
-
-#: Where the behavior log-probs can come from (``AsyncA3POConfig.behavior_logps_source``).
-BEHAVIOR_LOGPS_SOURCES = ("generation", "forward")
 
 
 def generation_target(module: nn.Module) -> nn.Module:
@@ -84,11 +77,11 @@ class HFGenerationSettings:
     """Temperature of the training log-probs (TRL's ``temperature``), used by ``"generation"``."""
     own_random_stream: bool = True
     """Sample from the backend's own ``torch.Generator`` (plain sampling only, see
-    :func:`~a3po_trl.sampling.samples_with_own_stream`); False leaves token selection to ``generate`` (the global
+    :func:`~.sampling.samples_with_own_stream`); False leaves token selection to ``generate`` (the global
     RNG)."""
     record_sampling_logps: bool = False
     """The generation config processes the distribution before sampling (see
-    :func:`~a3po_trl.sampling.processed_sampling`): also record the log-probs of the processed distribution the
+    :func:`~.sampling.processed_sampling`): also record the log-probs of the processed distribution the
     tokens are drawn from. Needs ``behavior_logps_source="generation"`` and ``own_random_stream``."""
 
 

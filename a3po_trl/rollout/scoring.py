@@ -1,9 +1,9 @@
-"""Rewards and group advantages, with GRPOTrainer's semantics.
+"""Rewards, with GRPOTrainer's semantics.
 
-- :func:`score_completions` calls the reward functions on one process's completions (no collective), so it can run
-  in the generation thread: plain and ``async def`` functions, reward models, ``None`` as "not scored".
-- :func:`group_advantages` turns the rewards of the whole generation batch (every process's rows, gathered by the
-  trainer in its main thread) into advantages exactly as GRPOTrainer does.
+:func:`score_completions` calls the reward functions on one process's completions (no collective), so it can run in
+the generation thread: plain and ``async def`` functions, reward models, ``None`` as "not scored". The advantages need
+every process's rewards: the trainer computes them in its main thread
+(:func:`a3po_trl.functional.group_advantages`).
 """
 
 from __future__ import annotations
@@ -15,67 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 from trl.data_utils import apply_chat_template, is_conversational
-from trl.trainer.utils import is_async_callable, nanstd
+from trl.trainer.utils import is_async_callable
 
 logger = logging.getLogger(__name__)
-
-
-def group_advantages(
-    rewards_per_func: torch.Tensor,
-    reward_weights: torch.Tensor,
-    num_generations: int,
-    scale_rewards: str = "group",
-    aggregation: str = "sum_then_normalize",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Group-relative advantages over whole groups of ``num_generations`` consecutive rows, as GRPOTrainer computes
-    them from the rewards of the whole generation batch.
-
-    Args:
-        rewards_per_func: ``(B, F)`` rewards, NaN where a reward function returned None.
-        reward_weights: ``(F,)`` weights of the reward functions.
-        num_generations: group size; ``B`` must be a multiple of it.
-        scale_rewards: ``"group"`` (divide by the group's std), ``"batch"`` (by the batch's std) or ``"none"``.
-        aggregation: ``"sum_then_normalize"`` or ``"normalize_then_sum"`` (TRL's ``multi_objective_aggregation``).
-
-    Returns:
-        ``(advantages, rewards, is_std_zero)``, each ``(B,)``; a row every function left unscored gets advantage 0.
-    """
-    if rewards_per_func.size(0) % num_generations:
-        raise ValueError(f"{rewards_per_func.size(0)} rows do not form whole groups of {num_generations}.")
-    weights = reward_weights.to(rewards_per_func.device, rewards_per_func.dtype).unsqueeze(0)
-    unscorable = torch.isnan(rewards_per_func).all(dim=1)
-    if aggregation == "sum_then_normalize":
-        rewards = (rewards_per_func * weights).nansum(dim=1)
-        rewards[unscorable] = torch.nan
-        grouped = rewards.view(-1, num_generations)
-        mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
-        if scale_rewards in ("group", "none"):
-            if num_generations > 1:
-                std = nanstd(grouped, dim=1).repeat_interleave(num_generations)
-            else:
-                std = torch.zeros_like(rewards)
-        elif scale_rewards == "batch":
-            std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
-        else:
-            raise ValueError(f"scale_rewards={scale_rewards!r} must be 'group', 'batch' or 'none'.")
-        advantages = rewards - mean
-        if scale_rewards != "none":
-            advantages = advantages / (std + 1e-4)
-    elif aggregation == "normalize_then_sum":
-        grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.size(1))
-        mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
-        std_k = nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean_k)
-        normalized = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, rewards_per_func.size(1))
-        rewards = (normalized * weights).nansum(dim=1)
-        rewards[unscorable] = torch.nan
-        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
-        advantages = (rewards - torch.nanmean(rewards)) / (std + 1e-4)
-    else:
-        raise ValueError(
-            f"multi_objective_aggregation={aggregation!r} must be 'sum_then_normalize' or 'normalize_then_sum'."
-        )
-    is_std_zero = torch.isclose(std, torch.zeros_like(std))
-    return torch.nan_to_num(advantages, nan=0.0), rewards, is_std_zero
 
 
 def score_completions(
@@ -213,3 +155,4 @@ def score_with_reward_model(model, processing_class, prompts, completions, chat_
     inputs = {k: v.to(device) for k, v in inputs.items()}
     with torch.inference_mode():
         return model(**inputs).logits[:, 0].float().cpu().tolist()
+

@@ -1,0 +1,8 @@
+"""Rollouts, run in the generation thread with whatever backend generates: the prompt batches each process draws
+(:mod:`.prompt_batches`), one rollout of a local batch (:mod:`.run`: single-turn, or :mod:`.multi_turn` with tools
+and environments, or a user's ``rollout_func`` in :mod:`.custom`) and its rewards (:mod:`.scoring`). Nothing here
+runs a collective or reads the trainer."""
+
+from .run import RolloutSettings, decode_completions, run_rollout
+
+__all__ = ["RolloutSettings", "decode_completions", "run_rollout"]

@@ -1,0 +1,182 @@
+"""The generation engine and its queue on their own, with a stand-in backend: admission control, exact versions,
+the schedule-miss escape, errors and stopping. No model, no trainer."""
+
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from a3po_trl.generation import GenerationBackend, GenerationEngine, GenerationStopped, ScoredBatch
+from a3po_trl.generation.queue import VersionedSampleQueue
+
+
+def batch(index=0):
+    return ScoredBatch(
+        index=index,
+        version=-1,
+        tensors={},
+        rewards_per_func=torch.zeros(1, 1),
+        is_truncated=torch.zeros(1, dtype=torch.bool),
+        completion_lengths=torch.ones(1, dtype=torch.long),
+    )
+
+
+# ---- the queue ----------------------------------------------------------------------------------------------------
+def test_queue_is_a_bounded_fifo():
+    queue = VersionedSampleQueue(2)
+    queue.put(batch(0), should_stop=lambda: False)
+    queue.put(batch(1), should_stop=lambda: False)
+    assert len(queue) == 2 and queue.max_depth_seen == 2
+    assert [queue.get(0.1).index, queue.get(0.1).index] == [0, 1]
+    assert queue.get(0.05) is None
+
+
+def test_a_full_queue_blocks_put_until_a_get_and_a_stop_ends_the_wait():
+    queue = VersionedSampleQueue(1)
+    queue.put(batch(0), should_stop=lambda: False)
+    done = threading.Event()
+
+    def producer():
+        queue.put(batch(1), should_stop=lambda: False, poll=0.01)
+        done.set()
+
+    thread = threading.Thread(target=producer)
+    thread.start()
+    time.sleep(0.2)
+    assert not done.is_set() and len(queue) == 1  # waits for room
+    assert queue.get(1.0).index == 0
+    thread.join(5)
+    assert done.is_set() and queue.get(1.0).index == 1
+    queue.put(batch(2), should_stop=lambda: False)
+    with pytest.raises(GenerationStopped):
+        queue.put(batch(3), should_stop=lambda: True, poll=0.01)
+
+
+def test_queue_size_must_be_positive():
+    with pytest.raises(ValueError, match="queue size must be >= 1"):
+        VersionedSampleQueue(0)
+
+
+# ---- the engine ---------------------------------------------------------------------------------------------------
+class RecordingBackend(GenerationBackend):
+    """Versions of one weight ``w``; ``generate`` is not used (the rollout stand-in reads :attr:`loaded`)."""
+
+    def __init__(self):
+        super().__init__(["w"], {"w": torch.zeros(1)}, None, torch.device("cpu"))
+        self.loaded = []
+
+    def load_weights(self, weights, version):
+        assert float(weights["w"]) == version  # the buffer holds the weights published as this version
+        self.loaded.append(version)
+
+    def generate(self, prompt_ids, should_stop, seed):
+        raise NotImplementedError
+
+
+class Policy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(1))
+
+
+def make_engine(min_version, num_batches=4, rollout=None, **kwargs):
+    backend = RecordingBackend()
+
+    def default_rollout(backend, rows, should_stop, info, index):
+        return batch()
+
+    prompts = iter([[{"prompt": str(i)}] for i in range(num_batches)])
+    engine = GenerationEngine(
+        backend, prompts, rollout or default_rollout, min_version, num_batches, queue_size=8, poll_interval=0.01,
+        **kwargs,
+    )  # fmt: skip
+    return engine, backend
+
+
+def publish(engine, module, version):
+    with torch.no_grad():
+        module.w.fill_(version)
+    engine.publish(module, version)
+
+
+def test_each_batch_waits_for_its_oldest_allowed_version_and_carries_the_version_it_used():
+    module = Policy()
+    engine, backend = make_engine(min_version=lambda i: i, num_batches=3)
+    engine.start(module, 0)
+    try:
+        first, _ = engine.get()
+        assert (first.index, first.version) == (0, 0)
+        time.sleep(0.2)
+        assert engine.produced == 1  # batch 1 needs version 1, not published yet: the generator waits
+        publish(engine, module, 1)
+        second, _ = engine.get()
+        assert (second.index, second.version) == (1, 1)
+        publish(engine, module, 2)
+        third, _ = engine.get()
+        assert third.version == 2 and engine.schedule_misses == 0
+        assert third.timings["generator_wait_for_staleness_bound"] >= 0.0
+    finally:
+        assert engine.stop()
+
+
+def test_exact_versions_generate_with_the_assigned_version_not_the_newest():
+    module = Policy()
+    engine, backend = make_engine(min_version=lambda i: 0 if i < 2 else 1, num_batches=3, exact_versions=True)
+    engine.start(module, 0)
+    try:
+        publish(engine, module, 1)
+        publish(engine, module, 2)  # newer than any batch is assigned
+        versions = [engine.get()[0].version for _ in range(3)]
+    finally:
+        engine.stop()
+    assert versions == [0, 0, 1]
+    assert backend.loaded == [0, 1]
+    assert backend.kept_versions == [1, 2]  # version 0 released once no batch still needs it
+
+
+def test_a_trainer_waiting_for_a_batch_gets_it_with_the_newest_weights_instead_of_a_deadlock():
+    """The loop did not follow the predicted schedule: batch 1 asks for version 5, which the trainer cannot publish
+    before it has batch 1."""
+    module = Policy()
+    engine, _ = make_engine(min_version=lambda i: 5 * i, num_batches=2)
+    engine.start(module, 0)
+    try:
+        engine.get()
+        second, _ = engine.get()
+    finally:
+        engine.stop()
+    assert second.version == 0 and engine.schedule_misses == 1
+
+
+def test_a_rollout_error_reaches_get_with_its_traceback_and_a_note():
+    def failing(backend, rows, should_stop, info, index):
+        raise KeyError("reward column")
+
+    engine, _ = make_engine(min_version=lambda i: 0, rollout=failing)
+    engine.start(Policy(), 0)
+    with pytest.raises(KeyError, match="reward column") as info:
+        engine.get()
+    assert "(raised in the a3po-trl generation thread)" in info.value.__notes__
+    assert engine.stop()
+
+
+def test_stop_ends_a_generator_waiting_for_weights():
+    engine, _ = make_engine(min_version=lambda i: 10)  # never published
+    engine.start(Policy(), 0)
+    time.sleep(0.1)
+    start = time.monotonic()
+    assert engine.stop(timeout=5)
+    assert time.monotonic() - start < 2 and not engine.thread.is_alive()
+
+
+def test_inline_engine_generates_in_get_and_refuses_a_batch_past_the_last():
+    engine, backend = make_engine(min_version=lambda i: 0, num_batches=2, asynchronous=False)
+    engine.start(Policy(), 0)
+    assert engine.thread is None and engine.produced == 0
+    engine.get()
+    assert engine.produced == 1
+    engine.get()
+    with pytest.raises(RuntimeError, match="All 2 generation batches"):
+        engine.get()
