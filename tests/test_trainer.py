@@ -224,7 +224,10 @@ def test_evaluation_runs_beside_the_generation_thread(tokenizer, tmp_path):
     assert len(logged(trainer, "eval_reward")) == 2
 
 
-def test_truncated_sampling_warns(tokenizer, tmp_path, caplog):
-    with caplog.at_level("WARNING", logger="a3po_trl.trainer"):
-        make_trainer(tokenizer, tmp_path, top_p=0.9, top_k=20)
-    assert "top_k=20, top_p=0.9" in caplog.text and "biases the importance ratios" in caplog.text
+def test_truncated_sampling_is_recorded_not_warned_about(tokenizer, tmp_path, caplog):
+    """top-k/top-p no longer bias the update: the generator records the truncated distribution's log-probs too."""
+    with caplog.at_level("INFO", logger="a3po_trl.trainer"):
+        trainer = make_trainer(tokenizer, tmp_path, top_p=0.9, top_k=20)
+    assert "top_k=20, top_p=0.9" in caplog.text and "records the log-probs of the processed" in caplog.text
+    assert "biases the importance ratios" not in caplog.text
+    assert trainer._hf_generation_settings().record_sampling_logps
