@@ -1,5 +1,5 @@
-"""What the vLLM backends send to vLLM, checked without vLLM: the merged weights the colocate backend pushes for PEFT
-configs vLLM cannot serve as adapters.
+"""What the vLLM backends send to vLLM, checked without vLLM: the seeds of the server backend's completion requests,
+and the merged weights the colocate backend pushes for PEFT configs vLLM cannot serve as adapters.
 
 The engine is replaced by a stand-in that records what it receives and answers as vLLM does, so these run in the main
 suite; ``tests/test_vllm.py`` checks the same paths against the real engine and server.
@@ -8,12 +8,83 @@ suite; ``tests/test_vllm.py`` checks the same paths against the real engine and 
 import copy
 import sys
 import types
+from types import SimpleNamespace
 
 import pytest
 import torch
 from tiny import make_model
 
-from a3po_trl.generation.vllm_common import VLLMSamplingSettings, base_checkpoint_tensors
+from a3po_trl.generation.vllm_common import VLLMSamplingSettings, base_checkpoint_tensors, row_seeds
+
+# ---- server: one random stream per row ------------------------------------------------------------------------------
+
+
+class FakeCompletionsEndpoint:
+    """``/v1/completions`` as vLLM 0.32 serves it: one engine request per prompt of the request, all with the request's
+    seed, and child ``j`` of a request with ``n > 1`` sampling from the stream of ``seed + j``
+    (``vllm/v1/engine/parallel_sampling.py``, ``ParentRequest._get_child_sampling_params``). Each completion is the
+    seed of the stream that sampled it (``-1``: unseeded), so a test reads off which stream every row got."""
+
+    def __init__(self):
+        self.payloads = []
+
+    def __call__(self, path, timeout, json):
+        assert path == "/v1/completions"
+        self.payloads.append(json)
+        prompts = json["prompt"] if isinstance(json["prompt"][0], list) else [json["prompt"]]
+        seed = json.get("seed")
+        streams = [-1 if seed is None else seed + j for _ in prompts for j in range(json["n"])]
+        choices = [
+            {"index": i, "token_ids": [stream], "logprobs": {"token_logprobs": [-1.0]}}
+            for i, stream in enumerate(streams)
+        ]
+        return {"choices": choices[::-1]}  # the order of choices is their index's, not the list's
+
+
+@pytest.fixture
+def server_backend(monkeypatch, tokenizer):
+    """A server backend whose HTTP calls reach a :class:`FakeCompletionsEndpoint` instead of a server."""
+    from a3po_trl.generation.vllm_server import VLLMServerBackend
+
+    monkeypatch.setattr(VLLMServerBackend, "_wait_for_server", lambda self, timeout: None)
+    monkeypatch.setattr(VLLMServerBackend, "_check_server_config", lambda self: None)
+    monkeypatch.setattr(VLLMServerBackend, "_get", lambda self, path, timeout, **kwargs: {"data": [{"id": "tiny"}]})
+    args = SimpleNamespace(
+        vllm_server_base_url="http://127.0.0.1:1",
+        weight_sync_timeout=5.0,
+        vllm_request_timeout=5.0,
+        vllm_group_port=51216,
+        vllm_server_timeout=1.0,
+    )
+    backend = VLLMServerBackend(make_model(tokenizer), args, VLLMSamplingSettings(max_tokens=4), torch.device("cpu"))
+    backend._post = FakeCompletionsEndpoint()
+    yield backend
+    backend.close()
+
+
+A, B = [5, 6, 7], [8, 9]
+
+
+@pytest.mark.parametrize(
+    "prompts, seed",
+    [
+        ([A, A, B, B], 1000),  # groups of num_generations rows
+        ([A, B, A, B], 1000),  # a later turn or a rollout_func call: rows of one history need not be adjacent
+        ([A, A, A, B], 1000),  # groups of different sizes
+        ([A, A, A, A], 2**63 - 3),  # a batch seed near the top: row seeds wrap as the colocate backend's do
+    ],
+    ids=["groups", "rows", "unequal-groups", "wrapping-seed"],
+)
+def test_server_samples_every_row_from_its_own_stream_the_colocate_backends(server_backend, prompts, seed):
+    out = server_backend.generate(prompts, None, seed=seed)
+    streams = [ids[0] for ids in out.completion_ids]  # one completion per row, in row order
+    assert streams == row_seeds(seed, len(prompts))  # distinct per row, as colocate mode seeds its rows
+
+    server_backend._post.payloads.clear()
+    out = server_backend.generate(prompts, None, seed=None)
+    assert len(out.completion_ids) == len(prompts)
+    assert all("seed" not in payload for payload in server_backend._post.payloads)  # unseeded: no stream is shared
+
 
 # ---- colocate: merged versions do not drift -------------------------------------------------------------------------
 
