@@ -316,6 +316,22 @@ def test_server_lora_versions_are_adapters_whose_logps_match_the_trainer(tokeniz
         backend.close()
 
 
+def test_server_rows_of_one_history_sample_their_own_completions_reproducibly(tokenizer, tmp_path, vllm_server):
+    """Rows that are not in groups (a later turn, a rollout_func call): two rows with the same prompt must not share
+    a random stream, and the batch's seed still fixes every row's sample."""
+    trainer = make_server_trainer(tokenizer, tmp_path, vllm_server)
+    backend = trainer._build_backend()  # generates with whatever weights the server holds: only the streams matter
+    try:
+        a, b = tokenizer("hello there")["input_ids"], tokenizer("The quick brown fox")["input_ids"]
+        out = backend.generate([a, b, a, b], None, seed=123)
+        assert out.completion_ids[0] != out.completion_ids[2] and out.completion_ids[1] != out.completion_ids[3]
+        assert backend.generate([a, b, a, b], None, seed=123).completion_ids == out.completion_ids
+        unseeded = backend.generate([a, b, a, b], None, seed=None)
+        assert unseeded.completion_ids[0] != unseeded.completion_ids[2]
+    finally:
+        backend.close()
+
+
 def test_training_against_the_server_with_lora_keeps_the_staleness_bound(tokenizer, tmp_path, vllm_server):
     """Runs before the full-weight tests, which leave the server with other base weights."""
     trainer = make_server_trainer(

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from ...types import GeneratedCompletions
 from ..backend import full_shape
@@ -115,8 +117,62 @@ def base_checkpoint_tensors(peft_module) -> dict[str, torch.Tensor]:
     return {
         checkpoint_name(name): param.detach()
         for name, param in peft_module.named_parameters()
-        if peft_module.prefix not in name and "original_module" not in name
+        if _is_base_weight(peft_module, name)
     }
+
+
+@torch.no_grad()
+def merged_checkpoint_tensors(peft_module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(checkpoint name, tensor)`` of a PEFT model's weights with its active adapters merged, as
+    :func:`base_checkpoint_tensors` names them, computed without ever writing its base weights.
+
+    Merging and unmerging in place (``merge_adapter`` / ``unmerge_adapter``) leaves the base rounded a little
+    differently each time, and a copy that merges every version drifts away from the trainer's base: a few ulps in
+    fp32 after 1,000 versions, 1e-2 in bf16, NaN within ten versions for bf16 DoRA. Here each adapted module is merged
+    by PEFT's own ``merge`` into a scratch copy of its base weights, and gets its untouched weights back before the
+    next, so every version is an exact merge of the same base; at most one module's scratch weights exist at a time.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers: dict[int, list[BaseTunerLayer]] = {}  # by the module they adapt (nested wrappers share one)
+    for module in peft_module.modules():
+        if isinstance(module, BaseTunerLayer):
+            layers.setdefault(id(module.get_base_layer()), []).append(module)
+    adapted = {id(p) for group in layers.values() for p in group[0].get_base_layer().parameters(recurse=False)}
+    names = {id(param): name for name, param in peft_module.named_parameters()}
+    for name, param in peft_module.named_parameters():
+        if _is_base_weight(peft_module, name) and id(param) not in adapted:
+            yield checkpoint_name(name), param.detach()
+    for group in layers.values():
+        merged = _merged_out_of_place(group)
+        for param, tensor in merged:
+            yield checkpoint_name(names[id(param)]), tensor
+
+
+def _merged_out_of_place(layers) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """The weights of the module ``layers`` adapt, with their adapters merged, as new tensors; the module's own
+    tensors are put back untouched (the merge writes a scratch copy, then PEFT's ``unmerge`` keeps its bookkeeping,
+    e.g. DoRA's cached weight norms, consistent)."""
+    params = list(layers[0].get_base_layer().parameters(recurse=False))
+    originals = [param.data for param in params]
+    try:
+        for param in params:
+            param.data = param.data.clone()
+        for layer in layers:
+            layer.merge()
+        return [(param, param.detach().clone()) for param in params]  # a copy: unmerge writes the scratch
+    finally:
+        for layer in layers:
+            if layer.merged:
+                layer.unmerge()
+        for param, original in zip(params, originals):
+            param.data = original
+
+
+def _is_base_weight(peft_module, name: str) -> bool:
+    """Whether a PEFT model's parameter belongs in the base model's checkpoint: not an adapter weight, not the
+    original of a ``modules_to_save`` module (its trainable copy is)."""
+    return peft_module.prefix not in name and "original_module" not in name
 
 
 def checkpoint_name(name: str) -> str:

@@ -1,0 +1,148 @@
+"""What the vLLM backends send to vLLM, checked without vLLM: the seeds of the server backend's completion requests,
+and the merged weights the colocate backend pushes for PEFT configs vLLM cannot serve as adapters.
+
+The engine is replaced by a stand-in that records what it receives and answers as vLLM does, so these run in the main
+suite; ``tests/test_vllm.py`` checks the same paths against the real engine and server.
+"""
+
+import copy
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tiny import make_model
+
+from a3po_trl.generation.vllm_common import VLLMSamplingSettings, base_checkpoint_tensors, row_seeds
+
+# ---- server: one random stream per row ------------------------------------------------------------------------------
+
+
+class FakeCompletionsEndpoint:
+    """``/v1/completions`` as vLLM 0.32 serves it: one engine request per prompt of the request, all with the request's
+    seed, and child ``j`` of a request with ``n > 1`` sampling from the stream of ``seed + j``
+    (``vllm/v1/engine/parallel_sampling.py``, ``ParentRequest._get_child_sampling_params``). Each completion is the
+    seed of the stream that sampled it (``-1``: unseeded), so a test reads off which stream every row got."""
+
+    def __init__(self):
+        self.payloads = []
+
+    def __call__(self, path, timeout, json):
+        assert path == "/v1/completions"
+        self.payloads.append(json)
+        prompts = json["prompt"] if isinstance(json["prompt"][0], list) else [json["prompt"]]
+        seed = json.get("seed")
+        streams = [-1 if seed is None else seed + j for _ in prompts for j in range(json["n"])]
+        choices = [
+            {"index": i, "token_ids": [stream], "logprobs": {"token_logprobs": [-1.0]}}
+            for i, stream in enumerate(streams)
+        ]
+        return {"choices": choices[::-1]}  # the order of choices is their index's, not the list's
+
+
+@pytest.fixture
+def server_backend(monkeypatch, tokenizer):
+    """A server backend whose HTTP calls reach a :class:`FakeCompletionsEndpoint` instead of a server."""
+    from a3po_trl.generation.vllm_server import VLLMServerBackend
+
+    monkeypatch.setattr(VLLMServerBackend, "_wait_for_server", lambda self, timeout: None)
+    monkeypatch.setattr(VLLMServerBackend, "_check_server_config", lambda self: None)
+    monkeypatch.setattr(VLLMServerBackend, "_get", lambda self, path, timeout, **kwargs: {"data": [{"id": "tiny"}]})
+    args = SimpleNamespace(
+        vllm_server_base_url="http://127.0.0.1:1",
+        weight_sync_timeout=5.0,
+        vllm_request_timeout=5.0,
+        vllm_group_port=51216,
+        vllm_server_timeout=1.0,
+    )
+    backend = VLLMServerBackend(make_model(tokenizer), args, VLLMSamplingSettings(max_tokens=4), torch.device("cpu"))
+    backend._post = FakeCompletionsEndpoint()
+    yield backend
+    backend.close()
+
+
+A, B = [5, 6, 7], [8, 9]
+
+
+@pytest.mark.parametrize(
+    "prompts, seed",
+    [
+        ([A, A, B, B], 1000),  # groups of num_generations rows
+        ([A, B, A, B], 1000),  # a later turn or a rollout_func call: rows of one history need not be adjacent
+        ([A, A, A, B], 1000),  # groups of different sizes
+        ([A, A, A, A], 2**63 - 3),  # a batch seed near the top: row seeds wrap as the colocate backend's do
+    ],
+    ids=["groups", "rows", "unequal-groups", "wrapping-seed"],
+)
+def test_server_samples_every_row_from_its_own_stream_the_colocate_backends(server_backend, prompts, seed):
+    out = server_backend.generate(prompts, None, seed=seed)
+    streams = [ids[0] for ids in out.completion_ids]  # one completion per row, in row order
+    assert streams == row_seeds(seed, len(prompts))  # distinct per row, as colocate mode seeds its rows
+
+    server_backend._post.payloads.clear()
+    out = server_backend.generate(prompts, None, seed=None)
+    assert len(out.completion_ids) == len(prompts)
+    assert all("seed" not in payload for payload in server_backend._post.payloads)  # unseeded: no stream is shared
+
+
+# ---- colocate: merged versions do not drift -------------------------------------------------------------------------
+
+
+class FakeLLM:
+    """Stands in for ``vllm.LLM``: keeps a copy of the weights of the latest reload."""
+
+    def __init__(self, **kwargs):
+        self.llm_engine = None
+        self.loaded: dict[str, torch.Tensor] = {}
+
+    def collective_rpc(self, method, kwargs=None):
+        if method == "reload_weights":
+            self.loaded = {name: tensor.clone() for name, tensor in kwargs["weights_iterator"]}
+
+    def reset_prefix_cache(self):
+        pass
+
+
+def lora_model(tokenizer, **config):
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM", **config)
+    return get_peft_model(make_model(tokenizer), lora)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "config", [{"modules_to_save": ["lm_head"]}, {"use_dora": True}], ids=["lora-modules-to-save", "dora"]
+)
+def test_the_thousandth_merged_version_is_an_exact_merge_of_the_untouched_base(monkeypatch, tokenizer, config, dtype):
+    """The colocate backend's merge fallback, 1,000 versions through publish / refresh: the last version's pushed
+    weights are, bit for bit, a fresh merge of the trainer's base with that version's trainable weights.
+
+    Exact, not within a tolerance: both are the same PEFT merge of the same tensors. Merging and unmerging one copy
+    in place drifts by a few fp32 ulps over 1,000 versions (1.7e-7 at most on this model, under any 1e-6 tolerance),
+    by 1e-2 in bf16, and turns bf16 DoRA weights into NaN within ten versions."""
+    from a3po_trl.generation.vllm_colocate import VLLMColocateBackend
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FakeLLM))
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    module = lora_model(tokenizer, **config).to(dtype)
+    trainable = {name: param for name, param in module.named_parameters() if param.requires_grad}
+    initial = {name: param.detach().clone() for name, param in trainable.items()}
+    backend = VLLMColocateBackend(module, "unused", VLLMSamplingSettings(max_tokens=4), {}, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for version in range(1000):
+            for name, param in trainable.items():  # a trained version: the start plus some drift
+                param.copy_(initial[name] + 0.05 * torch.randn(param.shape, generator=generator).to(dtype))
+            backend.publish(module, version)
+            assert backend.refresh()
+    pushed = backend.llm.loaded
+
+    exact = copy.deepcopy(module)  # the trainer's base never moves: a copy of it now is pristine
+    exact.merge_adapter()
+    expected = base_checkpoint_tensors(exact)
+    assert pushed.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(pushed[name], tensor, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+    backend.close()
