@@ -14,7 +14,7 @@ import pytest
 import torch
 from tiny import make_model
 
-from a3po_trl.generation.vllm_common import VLLMSamplingSettings, base_checkpoint_tensors, row_seeds
+from a3po_trl.generation.vllm.common import VLLMSamplingSettings, base_checkpoint_tensors, row_seeds
 
 # ---- server: one random stream per row ------------------------------------------------------------------------------
 
@@ -44,7 +44,7 @@ class FakeCompletionsEndpoint:
 @pytest.fixture
 def server_backend(monkeypatch, tokenizer):
     """A server backend whose HTTP calls reach a :class:`FakeCompletionsEndpoint` instead of a server."""
-    from a3po_trl.generation.vllm_server import VLLMServerBackend
+    from a3po_trl.generation.vllm.server import VLLMServerBackend
 
     monkeypatch.setattr(VLLMServerBackend, "_wait_for_server", lambda self, timeout: None)
     monkeypatch.setattr(VLLMServerBackend, "_check_server_config", lambda self: None)
@@ -122,7 +122,7 @@ def test_the_thousandth_merged_version_is_an_exact_merge_of_the_untouched_base(m
     Exact, not within a tolerance: both are the same PEFT merge of the same tensors. Merging and unmerging one copy
     in place drifts by a few fp32 ulps over 1,000 versions (1.7e-7 at most on this model, under any 1e-6 tolerance),
     by 1e-2 in bf16, and turns bf16 DoRA weights into NaN within ten versions."""
-    from a3po_trl.generation.vllm_colocate import VLLMColocateBackend
+    from a3po_trl.generation.vllm.colocate import VLLMColocateBackend
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FakeLLM))
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
