@@ -28,11 +28,11 @@ from accelerate.utils import gather_object
 from torch import nn
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
-from trl import GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer
 from trl.data_utils import is_conversational
 from trl.trainer.utils import add_fused_lm_head, shuffle_sequence_dict, split_tensor_dict, use_adapter
 
-from .config import AsyncA3POConfig
+from .config import AsyncA3POConfig, trainer_config
 from .custom_rollout import generate_completions
 from .distributed import destroy_process_group_at_exit
 from .generation import GenerationBackend, GenerationEngine, HFGenerateBackend, HFGenerationSettings
@@ -67,7 +67,9 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
 
     Constructed exactly like :class:`trl.GRPOTrainer` (model id or model, ``reward_funcs``, ``args``,
     ``train_dataset``, ``eval_dataset``, ``processing_class``, ``reward_processing_classes``, ``callbacks``,
-    ``optimizers``, ``peft_config``), with an :class:`~a3po_trl.AsyncA3POConfig` as ``args``.
+    ``optimizers``, ``peft_config``), with an :class:`~a3po_trl.AsyncA3POConfig` as ``args``; a plain
+    ``GRPOConfig`` is converted with :meth:`~a3po_trl.AsyncA3POConfig.from_grpo_config` (A-3PO settings at their
+    defaults, with a warning).
 
     Reward functions run in the generation thread. They receive what GRPOTrainer passes (``prompts``,
     ``completions``, ``completion_ids``, the dataset columns, ``log_metric``, ``log_extra``), and as ``trainer_state``
@@ -92,15 +94,10 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
     _tag_names = ["trl", "grpo", "a3po", "async"]
     _name = "AsyncA3PO"
 
-    def __init__(self, model, reward_funcs=None, args: AsyncA3POConfig | None = None, train_dataset=None, **kwargs):
-        if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path
-            args = AsyncA3POConfig(f"{str(name).split('/')[-1]}-A3PO")
-        if not isinstance(args, AsyncA3POConfig):
-            raise TypeError(
-                f"AsyncA3POTrainer needs `args` to be an AsyncA3POConfig, got {type(args).__name__}. Build it with "
-                "the same arguments: AsyncA3POConfig(**your_grpo_kwargs)."
-            )
+    def __init__(
+        self, model, reward_funcs=None, args: AsyncA3POConfig | GRPOConfig | None = None, train_dataset=None, **kwargs
+    ):
+        args = trainer_config(args, model)
         check_supported(args, kwargs)
         check_train_dataset(train_dataset, environment_owns_prompts=kwargs.get("environment_factory") is not None)
         # vLLM is this trainer's own generation backend (generation/vllm_*.py), driven by the generation thread:
