@@ -113,6 +113,7 @@ def test_reward_function_exception_names_the_function(tokenizer, tmp_path):
     [
         (lambda n: [1.0] * (n - 1), ValueError, "returned 3 rewards, but 4 were expected"),
         (lambda n: ["good"] * n, TypeError, "non-numeric reward 'good'"),
+        (lambda n: ["1.0"] * n, TypeError, "'odd_reward' returned a non-numeric reward '1.0'"),
         (lambda n: 3.0, TypeError, "returned float"),
     ],
 )
