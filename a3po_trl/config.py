@@ -232,6 +232,7 @@ class AsyncA3POConfig(GRPOConfig):
             "generation_batch_size" if self.generation_batch_size is not None else "steps_per_generation"
         )
         super().__post_init__()
+        self._check_generation_kwargs_temperature()
         if self.prox_logp_method not in PROXIMAL_METHODS:
             raise ValueError(
                 f"prox_logp_method={self.prox_logp_method!r} is not supported; set it to one of {PROXIMAL_METHODS}."
@@ -330,6 +331,27 @@ class AsyncA3POConfig(GRPOConfig):
         else:
             values["generation_batch_size"] = None
         return cls(**{**values, **overrides})
+
+    def _check_generation_kwargs_temperature(self):
+        """``generation_kwargs`` override the sampling settings, so a temperature there is the one ``generate``
+        samples with, while the behavior and training log-probs are scaled by ``temperature``: the importance ratios
+        would compare two distributions. Checked here, from the arguments alone, so it fails before any model loads
+        (the trainer checks the model's own ``generation_config`` once it is loaded)."""
+        if "temperature" not in (self.generation_kwargs or {}):
+            return
+        value = self.generation_kwargs["temperature"]
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if is_number and abs(value - self.temperature) <= 1e-12:
+            return
+        fix = (
+            f"Set temperature={value} in the config instead of in generation_kwargs."
+            if is_number
+            else "Remove 'temperature' from generation_kwargs and set it in the config."
+        )
+        raise ValueError(
+            f"generation_kwargs sets temperature={value!r}, but the behavior and training log-probs are scaled by "
+            f"temperature={self.temperature}: they would score another distribution than the one sampled. {fix}"
+        )
 
     def derived_max_staleness(self, span: int) -> int:
         """``max_staleness`` when it is left unset, for batches trained over ``span`` optimizer steps: the ``span - 1``

@@ -164,11 +164,9 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         except (AttributeError, TypeError):  # a transformers without the merge helper: use TRL's config as it is
             pass
         if config.temperature is not None and abs(config.temperature - self.temperature) > 1e-12:
-            source = (
-                "generation_kwargs"
-                if "temperature" in (self.args.generation_kwargs or {})
-                else "the model's generation_config"
-            )
+            # A conflicting temperature in generation_kwargs is refused by the config already (before loading).
+            in_kwargs = (self.args.generation_kwargs or {}).get("temperature")
+            source = "generation_kwargs" if in_kwargs == config.temperature else "the model's generation_config"
             raise ValueError(
                 f"{source} sets temperature={config.temperature}, but the training log-probs are scaled by "
                 f"temperature={self.temperature}: behavior and training log-probs would score different "
