@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import textwrap
 import time
 import weakref
 from collections import defaultdict
@@ -93,6 +94,21 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
 
     _tag_names = ["trl", "grpo", "a3po", "async"]
     _name = "AsyncA3PO"
+    # The model card's paper (TRL's pattern): A-3PO, then GRPO's own entry, since the loss is GRPO's, decoupled.
+    _paper = {
+        "title": "A-3PO: Accelerating Asynchronous LLM Training with Staleness-aware Proximal Policy Approximation",
+        "id": "2512.06547",
+        # docstyle-ignore
+        "citation": textwrap.dedent("""\
+            @article{li2025a3po,
+                title        = {{A-3PO: Accelerating Asynchronous LLM Training with Staleness-aware Proximal Policy Approximation}},
+                author       = {Xiaocan Li and Shiliang Wu and Zheng Shen},
+                year         = 2025,
+                eprint       = {arXiv:2512.06547},
+            }""")  # noqa: E501
+        + "\n\n"
+        + GRPOTrainer._paper["citation"],
+    }
 
     def __init__(
         self, model, reward_funcs=None, args: AsyncA3POConfig | GRPOConfig | None = None, train_dataset=None, **kwargs

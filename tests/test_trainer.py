@@ -218,6 +218,16 @@ def test_args_of_another_type_are_refused_before_the_model_loads(tmp_path):
         )
 
 
+def test_model_card_cites_a3po(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path)
+    trainer.create_model_card()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "trained with AsyncA3PO, a method introduced in [A-3PO: Accelerating Asynchronous LLM Training" in card
+    assert "https://huggingface.co/papers/2512.06547" in card
+    assert "author       = {Xiaocan Li and Shiliang Wu and Zheng Shen}" in card
+    assert "@article{shao2024deepseekmath" in card  # GRPO's own entry: the loss is GRPO's, decoupled
+
+
 def test_num_iterations_reuses_batches_with_growing_staleness(tokenizer, tmp_path):
     trainer = make_trainer(tokenizer, tmp_path, num_iterations=2, max_staleness=1, max_steps=4)
     trainer.train()
