@@ -206,7 +206,8 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             logger.warning(
                 "disable_dropout=False leaves dropout on in the training forward, while the generator samples and "
                 "scores its tokens without dropout: on-policy importance ratios then differ from 1 by the dropout "
-                "noise. Set disable_dropout=True (GRPOConfig's default) for unbiased A-3PO updates."
+                "noise. Set disable_dropout=True (AsyncA3POConfig's default; GRPOConfig's is False) for unbiased "
+                "A-3PO updates."
             )
 
     # ---- generation engine -----------------------------------------------------------------------------------------
