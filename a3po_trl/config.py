@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import logging
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
@@ -19,6 +22,8 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "lusp
 #: Where the behavior log-probs can come from (``AsyncA3POConfig.behavior_logps_source``).
 BEHAVIOR_LOGPS_SOURCES = ("generation", "forward")
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class AsyncA3POConfig(GRPOConfig):
@@ -27,7 +32,8 @@ class AsyncA3POConfig(GRPOConfig):
 
     It extends TRL's [`~trl.GRPOConfig`]: every GRPO setting keeps its meaning (`loss_type`, `beta`, `epsilon`,
     `epsilon_high`, `scale_rewards`, `reward_weights`, `num_generations`, `steps_per_generation`, ...). Only the
-    parameters specific to asynchronous generation and to A-3PO are listed here.
+    parameters specific to asynchronous generation and to A-3PO are listed here. A `GRPOConfig` object (from
+    `TrlParser` or a recipe) converts with [`AsyncA3POConfig.from_grpo_config`], and the trainer accepts one as it is.
 
     Parameters:
         > Parameters that control the proximal policy and the decoupled loss
@@ -240,6 +246,7 @@ class AsyncA3POConfig(GRPOConfig):
             "generation_batch_size" if self.generation_batch_size is not None else "steps_per_generation"
         )
         super().__post_init__()
+        self._check_generation_kwargs_temperature()
         if self.prox_logp_method not in PROXIMAL_METHODS:
             raise ValueError(
                 f"prox_logp_method={self.prox_logp_method!r} is not supported; set it to one of {PROXIMAL_METHODS}."
@@ -297,6 +304,69 @@ class AsyncA3POConfig(GRPOConfig):
                 f"{span - 1} (or leave it unset to get {span}), or lower {schedule_setting} / num_iterations."
             )
 
+    @classmethod
+    def from_grpo_config(cls, config: GRPOConfig, **overrides) -> AsyncA3POConfig:
+        """An ``AsyncA3POConfig`` with every setting of ``config`` (a ``GRPOConfig``, e.g. from ``TrlParser`` or a
+        recipe), plus ``overrides`` (any ``AsyncA3POConfig`` field, typically the A-3PO ones: ``max_staleness=2``).
+
+        The obvious copies (``AsyncA3POConfig(**config.to_dict())``, ``dataclasses.fields``) fail because
+        ``GRPOConfig.__post_init__`` fills in whichever of ``generation_batch_size`` / ``steps_per_generation`` was
+        left unset, and the two may not both be given. The schedule is carried as ``steps_per_generation`` (it gives
+        back the same ``generation_batch_size`` in the same process group); an override of either replaces it. Every
+        other value the post-init derived (``bf16`` from ``fp16``, ``eval_steps`` from ``logging_steps``,
+        ``scale_rewards=True`` as ``"group"``, ...) is carried as derived, which derives the same again.
+
+        A-3PO fields that ``config`` does not have take their defaults. ``disable_dropout`` is a ``GRPOConfig`` field,
+        so it keeps ``config``'s value (``False`` by default there, ``True`` by default here): pass
+        ``disable_dropout=True`` to get this trainer's default.
+        """
+        if not isinstance(config, GRPOConfig):
+            raise TypeError(
+                f"from_grpo_config needs a trl.GRPOConfig, got {type(config).__name__}; build an AsyncA3POConfig "
+                "from keyword arguments instead: AsyncA3POConfig(output_dir=..., ...)."
+            )
+        settable = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(overrides) - settable)
+        if unknown:
+            raise TypeError(
+                f"from_grpo_config got settings AsyncA3POConfig does not have: {unknown}. Check their spelling "
+                "against the AsyncA3POConfig and GRPOConfig fields."
+            )
+        # Plain data (dicts, lists) is copied: TrainingArguments.__post_init__ edits some of it in place.
+        values = {}
+        for f in dataclasses.fields(config):
+            if f.init and f.name in settable:
+                value = getattr(config, f.name)
+                values[f.name] = copy.deepcopy(value) if isinstance(value, (dict, list)) else value
+        schedule = ("generation_batch_size", "steps_per_generation")
+        if any(name in overrides for name in schedule):
+            for name in schedule:
+                values.pop(name)
+        else:
+            values["generation_batch_size"] = None
+        return cls(**{**values, **overrides})
+
+    def _check_generation_kwargs_temperature(self):
+        """``generation_kwargs`` override the sampling settings, so a temperature there is the one ``generate``
+        samples with, while the behavior and training log-probs are scaled by ``temperature``: the importance ratios
+        would compare two distributions. Checked here, from the arguments alone, so it fails before any model loads
+        (the trainer checks the model's own ``generation_config`` once it is loaded)."""
+        if "temperature" not in (self.generation_kwargs or {}):
+            return
+        value = self.generation_kwargs["temperature"]
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if is_number and abs(value - self.temperature) <= 1e-12:
+            return
+        fix = (
+            f"Set temperature={value} in the config instead of in generation_kwargs."
+            if is_number
+            else "Remove 'temperature' from generation_kwargs and set it in the config."
+        )
+        raise ValueError(
+            f"generation_kwargs sets temperature={value!r}, but the behavior and training log-probs are scaled by "
+            f"temperature={self.temperature}: they would score another distribution than the one sampled. {fix}"
+        )
+
     def derived_max_staleness(self, span: int) -> int:
         """``max_staleness`` when it is left unset, for batches trained over ``span`` optimizer steps: the ``span - 1``
         the schedule needs, plus one step so that generation overlaps training."""
@@ -315,3 +385,32 @@ def largest_version_span(micro_steps_per_batch: int, gradient_accumulation_steps
     window, so it never makes a batch span more versions."""
     every, accumulation = micro_steps_per_batch, gradient_accumulation_steps
     return max(((j + 1) * every - 1) // accumulation - (j * every) // accumulation + 1 for j in range(accumulation))
+
+
+def trainer_config(args, model) -> AsyncA3POConfig:
+    """The trainer's ``args`` as an ``AsyncA3POConfig``: as given, GRPOTrainer's default for ``None`` (an output
+    directory named after the model), or converted from a plain ``GRPOConfig`` (what ``TrlParser`` or a recipe hands
+    over) with the A-3PO settings at their defaults, saying so once, since ``trainer.args`` is then a new object."""
+    if args is None:
+        name = model if isinstance(model, str) else model.config._name_or_path
+        return AsyncA3POConfig(f"{str(name).split('/')[-1]}-A3PO")
+    if isinstance(args, AsyncA3POConfig):
+        return args
+    if isinstance(args, GRPOConfig):
+        converted = AsyncA3POConfig.from_grpo_config(args)
+        logger.warning(
+            "args is a GRPOConfig: converted with AsyncA3POConfig.from_grpo_config(args), every GRPO setting kept "
+            "(disable_dropout=%s included) and the A-3PO settings at their defaults (prox_logp_method=%r, "
+            "max_staleness=%s, behavior_weight_cap=%s). To choose them, pass "
+            "AsyncA3POConfig.from_grpo_config(args, max_staleness=..., ...) as args.",
+            converted.disable_dropout,
+            converted.prox_logp_method,
+            converted.max_staleness,
+            converted.behavior_weight_cap,
+        )
+        return converted
+    raise TypeError(
+        f"AsyncA3POTrainer needs `args` to be an AsyncA3POConfig or a trl.GRPOConfig, got {type(args).__name__}. "
+        "Build an AsyncA3POConfig with the same keyword arguments (AsyncA3POConfig(output_dir=..., ...)), or convert "
+        "a GRPOConfig with AsyncA3POConfig.from_grpo_config(config)."
+    )

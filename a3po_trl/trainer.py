@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import textwrap
 import time
 import weakref
 from collections import defaultdict
@@ -28,11 +29,11 @@ from accelerate.utils import gather_object
 from torch import nn
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
-from trl import GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer
 from trl.data_utils import is_conversational
 from trl.trainer.utils import add_fused_lm_head, shuffle_sequence_dict, split_tensor_dict, use_adapter
 
-from .config import AsyncA3POConfig
+from .config import AsyncA3POConfig, trainer_config
 from .distributed import destroy_process_group_at_exit
 from .functional import group_advantages
 from .generation import GenerationBackend, GenerationEngine, HFGenerateBackend, HFGenerationSettings
@@ -68,7 +69,9 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
 
     Constructed exactly like :class:`trl.GRPOTrainer` (model id or model, ``reward_funcs``, ``args``,
     ``train_dataset``, ``eval_dataset``, ``processing_class``, ``reward_processing_classes``, ``callbacks``,
-    ``optimizers``, ``peft_config``), with an :class:`~a3po_trl.AsyncA3POConfig` as ``args``.
+    ``optimizers``, ``peft_config``), with an :class:`~a3po_trl.AsyncA3POConfig` as ``args``; a plain
+    ``GRPOConfig`` is converted with :meth:`~a3po_trl.AsyncA3POConfig.from_grpo_config` (A-3PO settings at their
+    defaults, with a warning).
 
     Reward functions run in the generation thread. They receive what GRPOTrainer passes (``prompts``,
     ``completions``, ``completion_ids``, the dataset columns, ``log_metric``, ``log_extra``), and as ``trainer_state``
@@ -92,16 +95,26 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
 
     _tag_names = ["trl", "grpo", "a3po", "async"]
     _name = "AsyncA3PO"
+    # The model card's paper (TRL's pattern): A-3PO, then GRPO's own entry, since the loss is GRPO's, decoupled.
+    _paper = {
+        "title": "A-3PO: Accelerating Asynchronous LLM Training with Staleness-aware Proximal Policy Approximation",
+        "id": "2512.06547",
+        # docstyle-ignore
+        "citation": textwrap.dedent("""\
+            @article{li2025a3po,
+                title        = {{A-3PO: Accelerating Asynchronous LLM Training with Staleness-aware Proximal Policy Approximation}},
+                author       = {Xiaocan Li and Shiliang Wu and Zheng Shen},
+                year         = 2025,
+                eprint       = {arXiv:2512.06547},
+            }""")  # noqa: E501
+        + "\n\n"
+        + GRPOTrainer._paper["citation"],
+    }
 
-    def __init__(self, model, reward_funcs=None, args: AsyncA3POConfig | None = None, train_dataset=None, **kwargs):
-        if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path
-            args = AsyncA3POConfig(f"{str(name).split('/')[-1]}-A3PO")
-        if not isinstance(args, AsyncA3POConfig):
-            raise TypeError(
-                f"AsyncA3POTrainer needs `args` to be an AsyncA3POConfig, got {type(args).__name__}. Build it with "
-                "the same arguments: AsyncA3POConfig(**your_grpo_kwargs)."
-            )
+    def __init__(
+        self, model, reward_funcs=None, args: AsyncA3POConfig | GRPOConfig | None = None, train_dataset=None, **kwargs
+    ):
+        args = trainer_config(args, model)
         check_supported(args, kwargs)
         check_train_dataset(train_dataset, environment_owns_prompts=kwargs.get("environment_factory") is not None)
         # vLLM is this trainer's own generation backend (generation/vllm_*.py), driven by the generation thread:
@@ -168,11 +181,9 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         except (AttributeError, TypeError):  # a transformers without the merge helper: use TRL's config as it is
             pass
         if config.temperature is not None and abs(config.temperature - self.temperature) > 1e-12:
-            source = (
-                "generation_kwargs"
-                if "temperature" in (self.args.generation_kwargs or {})
-                else "the model's generation_config"
-            )
+            # A conflicting temperature in generation_kwargs is refused by the config already (before loading).
+            in_kwargs = (self.args.generation_kwargs or {}).get("temperature")
+            source = "generation_kwargs" if in_kwargs == config.temperature else "the model's generation_config"
             raise ValueError(
                 f"{source} sets temperature={config.temperature}, but the training log-probs are scaled by "
                 f"temperature={self.temperature}: behavior and training log-probs would score different "
@@ -206,7 +217,8 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             logger.warning(
                 "disable_dropout=False leaves dropout on in the training forward, while the generator samples and "
                 "scores its tokens without dropout: on-policy importance ratios then differ from 1 by the dropout "
-                "noise. Set disable_dropout=True (GRPOConfig's default) for unbiased A-3PO updates."
+                "noise. Set disable_dropout=True (AsyncA3POConfig's default; GRPOConfig's is False) for unbiased "
+                "A-3PO updates."
             )
 
     # ---- generation engine -----------------------------------------------------------------------------------------

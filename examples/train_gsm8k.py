@@ -2,7 +2,8 @@
 
 The main job of a3po-trl. With no arguments it trains a LoRA adapter (r=16, every linear layer) of the offline
 SmolLM2-135M-Instruct on generated one-step GSM8K-style problems, on CPU or GPU. Measured on 2 CPU cores (seed 42,
-60 steps): 15.7 min, greedy accuracy on 200 held-out problems 25.0% -> 37.0% (paired gain +12.0% +- 3.7%):
+60 steps; README.md, "Benchmarks" > "The main job", from benchmarks/results/demo-smollm2.json): 14.7 min, greedy
+accuracy on 200 held-out problems 25.0% +- 3.1% -> 33.5% +- 3.3% (paired gain +8.5% +- 3.7%, McNemar p = 0.033):
 
     python examples/train_gsm8k.py --output_dir outputs/demo
 

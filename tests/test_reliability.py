@@ -10,6 +10,7 @@ from datasets import Dataset
 from test_trainer import COMMON, logged, make_trainer
 from tiny import length_reward, make_model, make_prompts
 from transformers import AutoModelForCausalLM, TrainerCallback
+from trl import GRPOConfig
 
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
 
@@ -74,6 +75,22 @@ def test_unsupported_options_are_rejected_before_the_model_loads(tokenizer, tmp_
         make_trainer(tokenizer, tmp_path, model="does-not-exist/never-loaded", **overrides)
 
 
+def test_a_generation_kwargs_temperature_that_differs_is_refused_before_the_model_loads(tmp_path):
+    message = r"generation_kwargs sets temperature=0.5.*scaled by temperature=1.0.*Set temperature=0.5 in the config"
+    with pytest.raises(ValueError, match=message):
+        AsyncA3POConfig(output_dir=str(tmp_path), generation_kwargs={"temperature": 0.5}, **COMMON)
+    # a GRPOConfig is converted, and refused, before the trainer resolves a model id that cannot load
+    grpo = GRPOConfig(output_dir=str(tmp_path), generation_kwargs={"temperature": 0.5}, **COMMON)
+    with pytest.raises(ValueError, match=message):
+        AsyncA3POTrainer(
+            model="does-not-exist/never-loaded", reward_funcs=[length_reward], args=grpo, train_dataset=make_prompts(8)
+        )
+    agreeing = AsyncA3POConfig(
+        output_dir=str(tmp_path), temperature=0.7, generation_kwargs={"temperature": 0.7}, **COMMON
+    )
+    assert agreeing.generation_kwargs == {"temperature": 0.7}
+
+
 def test_rollout_func_with_tools_is_rejected(tokenizer, tmp_path):
     args = AsyncA3POConfig(output_dir=str(tmp_path), **COMMON)
     with pytest.raises(NotImplementedError, match="rollout_func together with tools"):
@@ -121,6 +138,7 @@ def test_reward_function_exception_names_the_function(tokenizer, tmp_path):
     [
         (lambda n: [1.0] * (n - 1), ValueError, "returned 3 rewards, but 4 were expected"),
         (lambda n: ["good"] * n, TypeError, "non-numeric reward 'good'"),
+        (lambda n: ["1.0"] * n, TypeError, "'odd_reward' returned a non-numeric reward '1.0'"),
         (lambda n: 3.0, TypeError, "returned float"),
     ],
 )

@@ -1,7 +1,9 @@
-"""Group advantages and reward scoring (a3po_trl.scoring), behavior log-probs and sampling (a3po_trl.rollout)."""
+"""Group advantages (a3po_trl.functional), reward scoring (a3po_trl.rollout.scoring), behavior log-probs and sampling
+(a3po_trl.rollout)."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from tiny import length_reward, make_model
@@ -64,6 +66,31 @@ def test_score_completions_passes_columns_and_names_failures():
     with pytest.raises(KeyError) as info:
         score_completions([fails], ["fails"], [None], rows, ["p", "q"], ["a", "b"], [[1], [2]])
     assert "fails" in "".join(info.value.__notes__)
+
+
+# What GRPOTrainer's torch.tensor(rewards, dtype=torch.float32) accepts, and what it refuses (text, even numeric text).
+NUMERIC_REWARDS = [1, 2.5, True, np.float32(0.5), np.int64(2), np.bool_(False), torch.tensor(1.5), torch.tensor([3.0])]
+NON_NUMERIC_REWARDS = ["1.0", np.str_("0.5"), b"1", np.array(1.5), [1.0], 1 + 2j]
+
+
+def test_rewards_of_grpo_trainers_types_are_scored():
+    rows = [{"prompt": "p"}] * (len(NUMERIC_REWARDS) + 1)
+    n = len(rows)
+    scores = score_completions(
+        [lambda **kwargs: [*NUMERIC_REWARDS, None]], ["judge"], [None], rows, ["p"] * n, ["c"] * n, [[1]] * n
+    )
+    assert scores[:-1, 0].tolist() == [1.0, 2.5, 1.0, 0.5, 2.0, 0.0, 1.5, 3.0] and math.isnan(scores[-1, 0])
+
+
+@pytest.mark.parametrize("value", NON_NUMERIC_REWARDS, ids=repr)
+def test_non_numeric_rewards_are_refused_naming_the_function(value):
+    rows = [{"prompt": "p"}, {"prompt": "q"}]
+
+    def judge(prompts, completions, **kwargs):
+        return [1.0, value]
+
+    with pytest.raises(TypeError, match=r"reward function 'judge' returned a non-numeric reward"):
+        score_completions([judge], ["judge"], [None], rows, ["p", "q"], ["a", "b"], [[1], [2]])
 
 
 def _rollout_settings(tokenizer) -> RolloutSettings:

@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 from tiny import length_reward, make_model, make_prompts
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainingArguments
 from trl import GRPOConfig
 
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
@@ -190,15 +190,42 @@ def test_thread_off_runs_are_identical(tokenizer, tmp_path):
     assert losses[0] == losses[1]
 
 
-def test_args_must_be_an_async_a3po_config(tokenizer, tmp_path):
-    with pytest.raises(TypeError, match="AsyncA3POConfig"):
-        AsyncA3POTrainer(
+def test_a_grpo_config_is_converted_with_a3po_defaults(tokenizer, tmp_path, caplog):
+    args = GRPOConfig(output_dir=str(tmp_path), **{**COMMON, "steps_per_generation": 2, "max_steps": 2})
+    with caplog.at_level("WARNING", logger="a3po_trl"):
+        trainer = AsyncA3POTrainer(
             model=make_model(tokenizer),
             reward_funcs=[length_reward],
-            args=GRPOConfig(output_dir=str(tmp_path), **COMMON),
-            train_dataset=make_prompts(8),
+            args=args,
+            train_dataset=make_prompts(16),
             processing_class=tokenizer,
         )
+    assert isinstance(trainer.args, AsyncA3POConfig)
+    assert (trainer.args.steps_per_generation, trainer.args.generation_batch_size) == (2, 8)
+    assert trainer.args.max_staleness == 2 and trainer.args.prox_logp_method == "loglinear"
+    assert len([r for r in caplog.records if "from_grpo_config" in r.getMessage()]) == 1
+    trainer.train()
+    assert trainer.state.global_step == 2
+
+
+def test_args_of_another_type_are_refused_before_the_model_loads(tmp_path):
+    with pytest.raises(TypeError, match="an AsyncA3POConfig or a trl.GRPOConfig, got TrainingArguments"):
+        AsyncA3POTrainer(
+            model="does-not-exist/never-loaded",
+            reward_funcs=[length_reward],
+            args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none"),
+            train_dataset=make_prompts(8),
+        )
+
+
+def test_model_card_cites_a3po(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path)
+    trainer.create_model_card()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "trained with AsyncA3PO, a method introduced in [A-3PO: Accelerating Asynchronous LLM Training" in card
+    assert "https://huggingface.co/papers/2512.06547" in card
+    assert "author       = {Xiaocan Li and Shiliang Wu and Zheng Shen}" in card
+    assert "@article{shao2024deepseekmath" in card  # GRPO's own entry: the loss is GRPO's, decoupled
 
 
 def test_num_iterations_reuses_batches_with_growing_staleness(tokenizer, tmp_path):

@@ -110,33 +110,48 @@ def warn_about_unscorable_rows(rewards_per_func: torch.Tensor, rows: list[dict],
 
 
 def _as_reward_list(values, name: str, expected: int) -> list[float]:
+    """A reward function's result as floats (NaN for None), refusing what GRPOTrainer refuses.
+
+    GRPOTrainer turns the list into ``torch.tensor(values, dtype=torch.float32)``: numbers pass (``int``, ``float``,
+    ``bool``, numpy scalars, one-element tensors, ``Decimal``, ``Fraction``), ``None`` means "not applicable", and a
+    string raises, even a numeric one. ``float()`` would accept ``"1.0"`` and ``b"1"``, so an LLM judge's raw text
+    would train silently: each value goes through GRPOTrainer's conversion instead, with the function's name in the
+    error.
+    """
     if isinstance(values, torch.Tensor):
         values = values.detach().float().cpu().flatten().tolist()
-    try:
-        values = list(values)
-    except TypeError:
+    rewards = None
+    if not isinstance(values, (str, bytes)):  # iterable, but one value, not a list of them
+        try:
+            rewards = list(values)
+        except TypeError:
+            pass
+    if rewards is None:
         raise TypeError(
             f"The reward function {name!r} returned {type(values).__name__}; it must return a list of floats "
             f"(one per completion, None to skip)."
-        ) from None
-    if len(values) != expected:
+        )
+    if len(rewards) != expected:
         raise ValueError(
-            f"The reward function {name!r} returned {len(values)} rewards, but {expected} were expected (one per "
+            f"The reward function {name!r} returned {len(rewards)} rewards, but {expected} were expected (one per "
             "prompt-completion pair). Make sure it returns exactly one reward per completion."
         )
-    out = []
-    for value in values:
-        if value is None:
-            out.append(float("nan"))
-            continue
-        try:
-            out.append(float(value))
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"The reward function {name!r} returned a non-numeric reward {value!r}; return floats (or None to "
-                "skip a completion)."
-            ) from None
-    return out
+    return [float("nan") if value is None else _as_reward(value, name) for value in rewards]
+
+
+def _as_reward(value, name: str) -> float:
+    """One reward converted as ``torch.tensor([...], dtype=torch.float32)`` converts it in GRPOTrainer."""
+    try:
+        converted = torch.tensor([value.detach() if isinstance(value, torch.Tensor) else value], dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError):
+        converted = None
+    if converted is None or converted.shape != (1,):  # strings raise; bytes and nested lists add a dimension
+        raise TypeError(
+            f"The reward function {name!r} returned a non-numeric reward {value!r} ({type(value).__name__}); return "
+            "numbers (int, float, bool, numpy or one-element torch scalars), or None to skip a completion. Parse "
+            "text, e.g. an LLM judge's answer, into a float inside the reward function."
+        )
+    return converted.item()
 
 
 def score_with_reward_model(model, processing_class, prompts, completions, chat_template_kwargs=None) -> list[float]:

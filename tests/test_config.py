@@ -1,0 +1,72 @@
+"""AsyncA3POConfig built from a GRPOConfig: every GRPO setting survives, derived ones included."""
+
+import dataclasses
+
+import pytest
+from test_trainer import COMMON
+from trl import GRPOConfig
+
+from a3po_trl import AsyncA3POConfig
+
+# Each exercises a value GRPOConfig / TrainingArguments.__post_init__ derives: the batch schedule from either of its
+# two settings, bf16 from fp16, scale_rewards from a bool, eval_steps and do_eval from the eval strategy, the
+# activation_checkpointing alias, report_to from a string.
+GRPO_SETTINGS = {
+    "defaults": {},
+    "steps_per_generation": {"steps_per_generation": 2},
+    "generation_batch_size": {"generation_batch_size": 8},
+    "grpo_options": {
+        "loss_type": "dr_grpo",
+        "beta": 0.04,
+        "num_generations": 2,
+        "epsilon_high": 0.28,
+        "scale_rewards": False,
+        "temperature": 0.7,
+        "top_p": 0.95,
+        "num_iterations": 2,
+        "gradient_accumulation_steps": 2,
+        "reward_weights": [1.0, 0.5],
+        "generation_kwargs": {"min_new_tokens": 1},
+    },
+    "training_arguments": {
+        "eval_strategy": "steps",
+        "per_device_eval_batch_size": 4,
+        "bf16": False,
+        "gradient_checkpointing": False,
+        "lr_scheduler_kwargs": {"power": 2.0},
+    },
+}
+
+
+def field_values(config) -> dict:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+@pytest.mark.parametrize("settings", GRPO_SETTINGS.values(), ids=GRPO_SETTINGS.keys())
+def test_from_grpo_config_keeps_every_setting(tmp_path, settings):
+    kwargs = {**COMMON, "output_dir": str(tmp_path), **settings}
+    grpo = GRPOConfig(**kwargs)
+    converted = AsyncA3POConfig.from_grpo_config(grpo)
+    grpo_fields = field_values(grpo)
+    assert {name: getattr(converted, name) for name in grpo_fields} == grpo_fields
+    assert converted.mixed_precision == grpo.mixed_precision
+    # the A-3PO settings are what AsyncA3POConfig derives from the same arguments (disable_dropout is GRPOConfig's)
+    assert field_values(converted) == field_values(AsyncA3POConfig(**kwargs, disable_dropout=False))
+
+
+def test_from_grpo_config_overrides(tmp_path):
+    grpo = GRPOConfig(**COMMON, output_dir=str(tmp_path), generation_batch_size=8)
+    converted = AsyncA3POConfig.from_grpo_config(grpo, max_staleness=3, prox_logp_method="recompute")
+    assert (converted.max_staleness, converted.prox_logp_method) == (3, "recompute")
+    assert (converted.generation_batch_size, converted.steps_per_generation) == (8, 2)
+    # a schedule override replaces the carried schedule instead of conflicting with it
+    rescheduled = AsyncA3POConfig.from_grpo_config(grpo, steps_per_generation=1)
+    assert (rescheduled.generation_batch_size, rescheduled.steps_per_generation) == (4, 1)
+
+
+def test_from_grpo_config_refuses_unknown_settings_and_other_types(tmp_path):
+    grpo = GRPOConfig(**COMMON, output_dir=str(tmp_path))
+    with pytest.raises(TypeError, match=r"\['max_stalenes'\]"):
+        AsyncA3POConfig.from_grpo_config(grpo, max_stalenes=2)
+    with pytest.raises(TypeError, match="needs a trl.GRPOConfig, got dict"):
+        AsyncA3POConfig.from_grpo_config(dict(COMMON))
