@@ -3,7 +3,7 @@
 import dataclasses
 
 import pytest
-from test_trainer import COMMON
+from helpers import COMMON
 from trl import GRPOConfig
 
 from a3po_trl import AsyncA3POConfig

@@ -1,7 +1,7 @@
 """What the trainer's loss adds to GRPOTrainer's: the cap on the KL correction, like-with-like approximation error."""
 
 import torch
-from test_trainer import first_batch_with_logps, logged, make_trainer
+from helpers import first_batch_with_logps, logged, make_trainer
 from tiny import make_model
 
 from a3po_trl.functional import aggregate_loss, kl_to_reference

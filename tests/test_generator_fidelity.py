@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 from datasets import Dataset
-from test_trainer import first_batch_with_logps, logged, make_trainer
+from helpers import first_batch_with_logps, logged, make_trainer
 from tiny import length_reward, make_model, make_prompts
 from transformers import GPT2Config, GPT2LMHeadModel
 

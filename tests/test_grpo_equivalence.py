@@ -7,7 +7,7 @@ correction (the one it applies to vLLM samples) replaced by the capped behavior 
 
 import pytest
 import torch
-from test_trainer import first_batch_with_logps
+from helpers import first_batch_with_logps
 from tiny import digit_reward, length_reward, make_model, make_moe_model, make_prompts
 from trl import GRPOConfig, GRPOTrainer
 

@@ -4,8 +4,8 @@ import copy
 
 import pytest
 import torch
+from helpers import COMMON, logged, make_trainer
 from peft import LoraConfig, PeftModel, get_peft_model
-from test_trainer import logged, make_trainer
 from tiny import make_model
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
@@ -18,7 +18,6 @@ def _adapter_and_base_sizes(model):
 
 
 def _lora_trainer(tokenizer, tmp_path, **overrides):
-    from test_trainer import COMMON
     from tiny import length_reward, make_prompts
 
     from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
@@ -55,7 +54,6 @@ def test_generator_shares_base_and_copies_only_the_adapter(tokenizer, tmp_path):
 
 
 def test_ready_peft_model_and_beta_uses_adapter_disabled_reference(tokenizer, tmp_path):
-    from test_trainer import COMMON
     from tiny import length_reward, make_prompts
 
     from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer

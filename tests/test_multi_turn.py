@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 from datasets import Dataset
-from test_trainer import COMMON, logged
+from helpers import COMMON, logged
 from tiny import CALL, DONE, encode, make_model, make_tool_tokenizer, scripted_generate
 
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
@@ -254,7 +254,7 @@ def test_turn_limit_and_completion_budget_end_a_trajectory(tool_tokenizer):
 
 
 # ---- through the trainer ----------------------------------------------------------------------------------------
-#: test_trainer's settings with groups of 3 and room for a tool call, its result and an answer
+#: the trainer tests' settings (helpers.COMMON) with groups of 3 and room for a tool call, its result and an answer
 TOOL_COMMON = {**COMMON, "per_device_train_batch_size": 3, "num_generations": 3, "max_completion_length": 256}
 
 

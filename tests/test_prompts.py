@@ -2,7 +2,7 @@
 
 import pytest
 from datasets import Dataset, IterableDataset
-from test_trainer import logged, make_trainer
+from helpers import logged, make_trainer
 from tiny import make_prompts
 
 from a3po_trl.rollout.prompt_batches import repeated_prompt_batches

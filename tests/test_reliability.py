@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 from datasets import Dataset
-from test_trainer import COMMON, logged, make_trainer
+from helpers import COMMON, StopAt, logged, logged_after, make_trainer
 from tiny import length_reward, make_model, make_prompts
 from transformers import AutoModelForCausalLM, TrainerCallback
 from trl import GRPOConfig
@@ -181,22 +181,6 @@ def test_all_masked_batches_and_zero_advantages_stay_finite(tokenizer, tmp_path)
     assert all(math.isfinite(v) for key in ("entropy", "a3po/staleness_mean") for v in logged(trainer, key))
 
 
-class _StopAt(TrainerCallback):
-    """Simulates a crash in the main thread right after `step` (after the checkpoint of that step is written)."""
-
-    def __init__(self, step, error=KeyboardInterrupt):
-        self.step, self.error = step, error
-
-    def on_save(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            raise self.error()
-
-
-def logged_after(trainer, key, step):
-    """Values of `key` logged after optimizer step `step` (a resumed run's history starts with the checkpoint's)."""
-    return [h[key] for h in trainer.state.log_history if key in h and h["step"] > step]
-
-
 def _final_weights(trainer):
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
@@ -209,7 +193,7 @@ def test_resume_matches_uninterrupted_run(tokenizer, tmp_path):
 
     model = make_model(tokenizer)
     interrupted = make_trainer(tokenizer, tmp_path / "b", model=model, **settings)
-    interrupted.add_callback(_StopAt(3))
+    interrupted.add_callback(StopAt(3))
     with pytest.raises(KeyboardInterrupt):
         interrupted.train()
     checkpoint = tmp_path / "b" / "out" / "checkpoint-3"
@@ -229,7 +213,7 @@ def test_resume_matches_uninterrupted_run(tokenizer, tmp_path):
 def test_resume_with_thread_starts_generator_at_restored_version(tokenizer, tmp_path):
     settings = dict(max_staleness=2, max_steps=4, save_steps=2, save_strategy="steps")
     first = make_trainer(tokenizer, tmp_path, **settings)
-    first.add_callback(_StopAt(2, ValueError))
+    first.add_callback(StopAt(2, ValueError))
     with pytest.raises(ValueError):
         first.train()
     resumed = make_trainer(tokenizer, tmp_path, model=make_model(tokenizer, seed=7), **settings)

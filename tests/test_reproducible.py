@@ -6,8 +6,7 @@ import time
 
 import pytest
 import torch
-from test_reliability import _StopAt, logged_after
-from test_trainer import logged, make_trainer
+from helpers import StopAt, logged, logged_after, make_trainer
 from tiny import length_reward, make_model
 from transformers import GenerationConfig
 
@@ -73,7 +72,7 @@ def test_reproducible_run_resumes_bit_for_bit(tokenizer, tmp_path):
         **SETTINGS,
         **checkpointing,
     )
-    interrupted.add_callback(_StopAt(3))
+    interrupted.add_callback(StopAt(3))
     with pytest.raises(KeyboardInterrupt):
         interrupted.train()
     resumed = make_trainer(

@@ -3,9 +3,9 @@
 import logging
 
 import pytest
+from helpers import COMMON, logged, make_trainer
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_trainer import logged, make_trainer
 from tiny import make_prompts
 from transformers import TrainerCallback
 
@@ -160,8 +160,6 @@ def test_planned_batches_never_span_more_than_the_configured_span(shape):
 
 
 def test_unset_max_staleness_admits_the_schedule_plus_one_step_and_a_too_small_one_names_the_setting(tmp_path):
-    from test_trainer import COMMON
-
     from a3po_trl import AsyncA3POConfig
 
     def config(**overrides):

@@ -4,58 +4,12 @@ import threading
 
 import pytest
 import torch
+from helpers import COMMON, logged, make_trainer
 from tiny import length_reward, make_model, make_prompts
 from transformers import TrainerCallback, TrainingArguments
 from trl import GRPOConfig
 
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
-
-COMMON = dict(
-    per_device_train_batch_size=4,
-    num_generations=4,
-    max_completion_length=8,
-    logging_steps=1,
-    report_to="none",
-    use_cpu=True,
-    save_strategy="no",
-    learning_rate=1e-2,
-    seed=0,
-)
-
-
-def make_trainer(
-    tokenizer, tmp_path, reward_funcs=(length_reward,), model=None, dataset=None, eval_dataset=None, **overrides
-):
-    kwargs = {**COMMON, "max_steps": 4, **overrides}
-    args = AsyncA3POConfig(output_dir=str(tmp_path / "out"), **kwargs)
-    return AsyncA3POTrainer(
-        model=model if model is not None else make_model(tokenizer),
-        reward_funcs=list(reward_funcs),
-        args=args,
-        train_dataset=dataset if dataset is not None else make_prompts(16),
-        eval_dataset=eval_dataset,
-        processing_class=tokenizer,
-    )
-
-
-def logged(trainer, key):
-    return [h[key] for h in trainer.state.log_history if key in h]
-
-
-def first_batch_with_logps(trainer):
-    """The first micro-batch the trainer would train on (taken outside ``train()``), and the training forward's
-    log-probs of its completions."""
-    try:
-        inputs = trainer._prepare_inputs(None)
-    finally:
-        trainer._stop_engine()
-    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-    with torch.no_grad():
-        logps = trainer._get_per_token_logps_and_entropies(
-            trainer.model, input_ids, attention_mask, inputs["completion_ids"].size(1)
-        )[0]
-    return inputs, logps
 
 
 @pytest.mark.parametrize("max_staleness", [1, 3])

@@ -11,8 +11,8 @@ import time
 
 import pytest
 import torch
-from test_trainer import COMMON as TRAINER_COMMON
-from test_trainer import logged
+from helpers import COMMON as TRAINER_COMMON
+from helpers import logged
 from tiny import length_reward, make_prompts, make_tokenizer, make_vllm_model
 
 pytest.importorskip("vllm")

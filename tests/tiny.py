@@ -175,25 +175,3 @@ def scripted_generate(tokenizer, script):
         return torch.cat([input_ids, torch.tensor(rows, dtype=input_ids.dtype)], dim=1)
 
     return generate
-
-
-def distributed_script_config(out_dir: str, **overrides):
-    """The `AsyncA3POConfig` the `accelerate launch` test scripts share: 4 x 8-token completions, staleness 1, CPU."""
-    from a3po_trl import AsyncA3POConfig
-
-    settings = dict(
-        output_dir=out_dir,
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        max_steps=4,
-        max_staleness=1,
-        learning_rate=1e-2,
-        logging_steps=1,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        disable_tqdm=True,
-    )
-    return AsyncA3POConfig(**{**settings, **overrides})

@@ -12,8 +12,9 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from helpers import distributed_script_config  # noqa: E402
 from peft import LoraConfig  # noqa: E402
-from tiny import distributed_script_config, length_reward, make_prompts, make_tokenizer  # noqa: E402
+from tiny import length_reward, make_prompts, make_tokenizer  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from a3po_trl import AsyncA3POTrainer  # noqa: E402

@@ -1,0 +1,101 @@
+"""Trainer-level helpers shared by the test files and the ``accelerate launch`` scripts in ``tests/scripts/``: the
+settings the trainer tests share, building an ``AsyncA3POTrainer`` on the tiny model, reading its log history,
+simulating a crash after a checkpoint. No test file imports another ``test_*.py`` file; what two of them use lives
+here or in ``tiny.py`` (as TRL keeps its shared test helpers in ``tests/testing_utils.py``).
+
+A module of its own rather than more of ``tiny.py``: ``tiny.py`` holds *what* is trained (offline tokenizers, random
+models, prompts, rewards), imports nothing of ``a3po_trl`` and is imported by the benchmarks as well; this module
+holds *how* the tests build, run and inspect the trainer, and so depends on the package.
+"""
+
+from __future__ import annotations
+
+import torch
+from tiny import length_reward, make_model, make_prompts
+from transformers import TrainerCallback
+
+from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
+
+#: The settings of the trainer tests: one optimizer step per batch of 4 (one prompt, 4 completions of 8 tokens), CPU.
+COMMON = dict(
+    per_device_train_batch_size=4,
+    num_generations=4,
+    max_completion_length=8,
+    logging_steps=1,
+    report_to="none",
+    use_cpu=True,
+    save_strategy="no",
+    learning_rate=1e-2,
+    seed=0,
+)
+
+
+def make_trainer(
+    tokenizer, tmp_path, reward_funcs=(length_reward,), model=None, dataset=None, eval_dataset=None, **overrides
+):
+    kwargs = {**COMMON, "max_steps": 4, **overrides}
+    args = AsyncA3POConfig(output_dir=str(tmp_path / "out"), **kwargs)
+    return AsyncA3POTrainer(
+        model=model if model is not None else make_model(tokenizer),
+        reward_funcs=list(reward_funcs),
+        args=args,
+        train_dataset=dataset if dataset is not None else make_prompts(16),
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+    )
+
+
+def logged(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+def logged_after(trainer, key, step):
+    """Values of `key` logged after optimizer step `step` (a resumed run's history starts with the checkpoint's)."""
+    return [h[key] for h in trainer.state.log_history if key in h and h["step"] > step]
+
+
+def first_batch_with_logps(trainer):
+    """The first micro-batch the trainer would train on (taken outside ``train()``), and the training forward's
+    log-probs of its completions."""
+    try:
+        inputs = trainer._prepare_inputs(None)
+    finally:
+        trainer._stop_engine()
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    with torch.no_grad():
+        logps = trainer._get_per_token_logps_and_entropies(
+            trainer.model, input_ids, attention_mask, inputs["completion_ids"].size(1)
+        )[0]
+    return inputs, logps
+
+
+class StopAt(TrainerCallback):
+    """Simulates a crash in the main thread right after `step` (after the checkpoint of that step is written)."""
+
+    def __init__(self, step, error=KeyboardInterrupt):
+        self.step, self.error = step, error
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise self.error()
+
+
+def distributed_script_config(out_dir: str, **overrides):
+    """The `AsyncA3POConfig` the `accelerate launch` test scripts share: 4 x 8-token completions, staleness 1, CPU."""
+    settings = dict(
+        output_dir=out_dir,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=4,
+        max_staleness=1,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    return AsyncA3POConfig(**{**settings, **overrides})
