@@ -10,6 +10,8 @@ holds *how* the tests build, run and inspect the trainer, and so depends on the 
 
 from __future__ import annotations
 
+import socket
+
 import torch
 from tiny import length_reward, make_model, make_prompts
 from transformers import TrainerCallback
@@ -54,6 +56,11 @@ def logged_after(trainer, key, step):
     return [h[key] for h in trainer.state.log_history if key in h and h["step"] > step]
 
 
+def model_weights(trainer):
+    """A detached copy of every parameter of the trained model, by name."""
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
 def first_batch_with_logps(trainer):
     """The first micro-batch the trainer would train on (taken outside ``train()``), and the training forward's
     log-probs of its completions."""
@@ -79,6 +86,13 @@ class StopAt(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         if state.global_step == self.step:
             raise self.error()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a process group, a launcher or a server)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def distributed_script_config(out_dir: str, **overrides):

@@ -6,12 +6,12 @@ with `from_pretrained`, and exit with return code 0.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 from tiny import make_model, make_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -44,12 +44,6 @@ def tiny_model_dir(tmp_path_factory):
 
 def _env():
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _run(cmd, timeout=600):
@@ -112,7 +106,7 @@ def test_accelerate_launch_two_cpu_processes(tiny_model_dir, tmp_path):
     launcher = [
         sys.executable, "-m", "accelerate.commands.launch",
         "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
     ]  # fmt: skip
     stdout = _run(launcher + [str(SCRIPT), "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out)]
                   + SMALL_RUN)  # fmt: skip

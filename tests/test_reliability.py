@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 from datasets import Dataset
-from helpers import COMMON, StopAt, logged, logged_after, make_trainer
+from helpers import COMMON, StopAt, logged, logged_after, make_trainer, model_weights
 from tiny import length_reward, make_model, make_prompts
 from transformers import AutoModelForCausalLM, TrainerCallback
 from trl import GRPOConfig
@@ -181,10 +181,6 @@ def test_all_masked_batches_and_zero_advantages_stay_finite(tokenizer, tmp_path)
     assert all(math.isfinite(v) for key in ("entropy", "a3po/staleness_mean") for v in logged(trainer, key))
 
 
-def _final_weights(trainer):
-    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-
-
 def test_resume_matches_uninterrupted_run(tokenizer, tmp_path):
     settings = dict(async_generation=False, max_staleness=1, max_steps=6, save_steps=3, save_strategy="steps")
     model = make_model(tokenizer)
@@ -206,7 +202,7 @@ def test_resume_matches_uninterrupted_run(tokenizer, tmp_path):
     for key in ("loss", "learning_rate", "reward", "async/generator_version"):
         assert logged_after(resumed, key, 3) == logged_after(uninterrupted, key, 3), key
         assert len(logged_after(resumed, key, 3)) == 3
-    a, b = _final_weights(uninterrupted), _final_weights(resumed)
+    a, b = model_weights(uninterrupted), model_weights(resumed)
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from helpers import StopAt, logged, logged_after, make_trainer
+from helpers import StopAt, logged, logged_after, make_trainer, model_weights
 from tiny import length_reward, make_model
 from transformers import GenerationConfig
 
@@ -41,10 +41,6 @@ def _run(tokenizer, tmp_path, lora, **overrides):
     return trainer
 
 
-def _weights(trainer):
-    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-
-
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_two_runs_with_the_thread_on_are_identical(tokenizer, tmp_path, lora):
     first = _run(tokenizer, tmp_path / "a", lora)
@@ -55,7 +51,7 @@ def test_two_runs_with_the_thread_on_are_identical(tokenizer, tmp_path, lora):
     # exactly the scheduled staleness: 0, 1, then max_staleness for every later batch
     assert logged(first, "a3po/staleness_max") == [0, 1, 2, 2, 2, 2]
     assert [int(v) for v in logged(first, "async/generator_version")] == [0, 0, 0, 1, 2, 3]
-    a, b = _weights(first), _weights(second)
+    a, b = model_weights(first), model_weights(second)
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert first.last_generation_engine.schedule_misses == 0
 
@@ -87,7 +83,7 @@ def test_reproducible_run_resumes_bit_for_bit(tokenizer, tmp_path):
     for key in ("loss", "reward", "async/generator_version", "a3po/staleness_max"):
         assert logged_after(resumed, key, 3) == logged_after(uninterrupted, key, 3), key
         assert len(logged_after(resumed, key, 3)) == 3
-    a, b = _weights(uninterrupted), _weights(resumed)
+    a, b = model_weights(uninterrupted), model_weights(resumed)
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 

@@ -1,18 +1,12 @@
 """Process-group teardown at exit (a3po_trl/distributed.py), in a one-process gloo group."""
 
 import atexit
-import socket
 
 import pytest
 import torch.distributed as dist
+from helpers import free_port
 
 from a3po_trl import distributed
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture
@@ -20,7 +14,7 @@ def gloo_group(monkeypatch):
     registered = []
     monkeypatch.setattr(atexit, "register", lambda fn, *a, **k: registered.append(fn) or fn)
     monkeypatch.setattr(distributed, "_registered", False)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield registered
     if dist.is_initialized():
         dist.destroy_process_group()

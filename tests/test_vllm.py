@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 from helpers import COMMON as TRAINER_COMMON
-from helpers import logged
+from helpers import free_port, logged
 from tiny import length_reward, make_prompts, make_tokenizer, make_vllm_model
 
 pytest.importorskip("vllm")
@@ -212,14 +212,6 @@ def test_stop_ends_a_running_batch_within_a_decoding_step(tokenizer, tmp_path):
 # ---- server mode: a real `trl vllm-serve` on this machine -----------------------------------------------------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _start_server(model_dir, port, log_path):
     """`trl vllm-serve` as a user starts it, plus what the trainer's CPU paths need (see the README)."""
     import shutil
@@ -261,7 +253,7 @@ def vllm_server(tmp_path_factory, tokenizer):
 
     root = tmp_path_factory.mktemp("vllm-server")
     make_vllm_model(tokenizer).save_pretrained(root / "model")
-    port = _free_port()
+    port = free_port()
     log_path = root / "server.log"
     process = _start_server(root / "model", port, log_path)
     url = f"http://127.0.0.1:{port}"
@@ -359,7 +351,7 @@ def test_two_training_processes_share_one_server_with_their_own_adapters(tmp_pat
     config = tmp_path / "ddp.yaml"
     config.write_text(
         "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_processes: 2\ngpu_ids: all\n"
-        f"mixed_precision: 'no'\nnum_machines: 1\nmachine_rank: 0\nmain_process_port: {_free_port()}\n"
+        f"mixed_precision: 'no'\nnum_machines: 1\nmachine_rank: 0\nmain_process_port: {free_port()}\n"
     )
     script = os.path.join(root, "tests", "scripts", "distributed_vllm_server.py")
     out = tmp_path / "out"
@@ -391,7 +383,7 @@ def test_server_full_weight_versions_reload_and_their_logps_match_the_trainer(to
 def test_server_down_at_start_is_an_error_naming_the_url_within_the_timeout(tokenizer, tmp_path):
     from a3po_trl.generation.vllm.server import VLLMServerError
 
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     args = AsyncA3POConfig(
         output_dir=str(tmp_path / "out"),
         **{**COMMON, "vllm_mode": "server", "vllm_server_base_url": url},
