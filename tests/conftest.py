@@ -1,3 +1,17 @@
+"""The test suite, laid out like the package's layers:
+
+- ``unit/``: one module at a time, and no trainer is built (functional, engine, config, rewards, tasks, layout, ...);
+- ``integration/``: files with tests that build or train an ``AsyncA3POTrainer``, on the tiny model (``test_schedule``,
+  ``test_prompts`` and ``test_plotting`` too, for their tests through the trainer; ``test_distributed`` and
+  ``test_vllm`` under ``accelerate launch`` or vLLM);
+- ``end_to_end/``: the README, notebooks, examples, the SmolLM2 pipeline, the benchmarks and the soak, as a user runs
+  them.
+
+Shared helpers live here, never in a ``test_*.py`` file: ``tiny.py`` (tokenizers, models, prompts, rewards) and
+``helpers.py`` (building and reading a trainer); ``scripts/`` holds the programs the tests launch. This folder goes on
+``sys.path`` so every test file, in whichever subfolder, imports them by name.
+"""
+
 import os
 import sys
 import threading

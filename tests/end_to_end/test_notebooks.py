@@ -15,7 +15,7 @@ pytest.importorskip("ipykernel")
 
 pytestmark = pytest.mark.slow
 
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 and the merged weights the colocate backend pushes for PEFT configs vLLM cannot serve as adapters.
 
 The engine is replaced by a stand-in that records what it receives and answers as vLLM does, so these run in the main
-suite; ``tests/test_vllm.py`` checks the same paths against the real engine and server.
+suite; ``tests/integration/test_vllm.py`` checks the same paths against the real engine and server.
 """
 
 import copy

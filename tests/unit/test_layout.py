@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "a3po_trl"
+PACKAGE = Path(__file__).resolve().parents[2] / "a3po_trl"
 
 #: Layers, bottom first: a module may import from its own layer only inside its own subpackage, and from lower ones.
 #: The longest matching prefix gives a module's layer.
@@ -44,7 +44,7 @@ def module_files() -> dict[str, Path]:
 def layer(module: str) -> int:
     names = [name for name in LAYERS if module == name or module.startswith(name + ".")]
     if not names:
-        raise AssertionError(f"{module} is in no layer: add it to LAYERS in tests/test_layout.py")
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS in tests/unit/test_layout.py")
     return LAYERS[max(names, key=len)]
 
 

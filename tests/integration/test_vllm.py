@@ -347,7 +347,7 @@ def test_two_training_processes_share_one_server_with_their_own_adapters(tmp_pat
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(__file__))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
     config = tmp_path / "ddp.yaml"
     config.write_text(
         "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_processes: 2\ngpu_ids: all\n"
@@ -474,7 +474,7 @@ def test_backends_benchmark_reports_every_field(tokenizer, tmp_path):
     make_vllm_model(tokenizer).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     out = tmp_path / "backends.json"
-    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "backends.py")
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "benchmarks", "backends.py")
     command = [
         sys.executable, script, "--model", str(model_dir), "--backends", "generate,vllm-colocate", "--steps", "3",
         "--warmup", "1", "--batch", "4", "--num-generations", "4", "--max-completion-length", "8",

@@ -15,7 +15,7 @@ from helpers import free_port
 from tiny import make_model, make_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_gsm8k.py"
 STEPS = 2
 SMALL_RUN = [
