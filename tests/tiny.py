@@ -197,3 +197,12 @@ def distributed_script_config(out_dir: str, **overrides):
         disable_tqdm=True,
     )
     return AsyncA3POConfig(**{**settings, **overrides})
+
+
+def generator_matches(backend, module) -> bool:
+    """Whether a ``generate`` backend's trainable weights equal ``module``'s (gathered under ZeRO-3)."""
+    params = dict(module.named_parameters())
+    with backend._gather([params[name] for name in backend.trainable_names]):
+        return all(
+            torch.equal(backend._own[name].cpu(), params[name].detach().cpu()) for name in backend.trainable_names
+        )

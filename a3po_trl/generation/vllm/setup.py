@@ -1,4 +1,5 @@
-"""From a trainer's ``GRPOConfig`` vLLM fields to a vLLM backend, and the checks of what cannot be honoured.
+"""From a trainer's ``GRPOConfig`` vLLM fields to a vLLM backend (the checks of what cannot be honoured are in
+:mod:`a3po_trl.validation`).
 
 ``use_vllm=True`` keeps every GRPOConfig vLLM field's meaning where this trainer can honour it, and refuses the rest
 with the fix:
@@ -30,23 +31,10 @@ import tempfile
 
 import torch
 
+from ...patches import peft_base_model
 from .common import VLLMSamplingSettings, active_lora, base_checkpoint_tensors, unsupported_lora_reason
 
 logger = logging.getLogger(__name__)
-
-def sampling_settings(trainer) -> VLLMSamplingSettings:
-    """GRPOTrainer's sampling fields as its vLLM path passes them."""
-    return VLLMSamplingSettings(
-        max_tokens=trainer.max_completion_length,
-        temperature=trainer.temperature,
-        top_p=trainer.top_p,
-        top_k=trainer.top_k or 0,
-        min_p=trainer.min_p,
-        repetition_penalty=trainer.repetition_penalty,
-        stop_token_ids=list(trainer.eos_token_ids),
-        generation_kwargs=dict(trainer.args.generation_kwargs or {}),
-    )
-
 
 def engine_dtype(module: torch.nn.Module) -> str:
     """The engine's dtype: the training weights' (vLLM's ``auto`` would turn an fp32 model into bf16 on CPU)."""
@@ -54,10 +42,10 @@ def engine_dtype(module: torch.nn.Module) -> str:
     return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "auto")
 
 
-def base_model_path(trainer) -> str:
-    """Where the engine loads the base model from: the model's local directory or hub id, else a copy saved now."""
-    module = trainer._unwrapped_model()
-    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+def base_model_path(module: torch.nn.Module) -> str:
+    """Where the engine loads the base model of the training ``module`` from: its local directory or hub id, else a
+    copy saved now."""
+    base = peft_base_model(module)
     name = str(getattr(base.config, "_name_or_path", "") or "")
     if os.path.isfile(os.path.join(name, "config.json")):
         return name  # a local checkpoint
@@ -77,12 +65,18 @@ def _serves_as_adapter(module) -> bool:
     return lora is not None and unsupported_lora_reason(lora[1]) is None
 
 
-def build_vllm_backend(trainer):
-    """The vLLM backend for ``trainer`` (``use_vllm=True``), colocate or server."""
-    args = trainer.args
-    module = trainer._unwrapped_model()
-    device = torch.device(args.generation_device) if args.generation_device else trainer.accelerator.device
-    processes = trainer.accelerator.num_processes
+def build_vllm_backend(
+    module: torch.nn.Module,
+    args,
+    sampling: VLLMSamplingSettings,
+    device: torch.device,
+    gather,
+    process_index: int,
+    num_processes: int,
+):
+    """The vLLM backend (``use_vllm=True``), colocate or server, for the unwrapped training ``module`` with the
+    trainer's ``args`` (an :class:`~a3po_trl.AsyncA3POConfig`) and sampling settings."""
+    processes = num_processes
     if processes > 1 and not (args.vllm_mode == "server" and _serves_as_adapter(module)):
         raise NotImplementedError(
             f"use_vllm=True with {processes} training processes works with vllm_mode='server' and a LoRA adapter "
@@ -92,8 +86,6 @@ def build_vllm_backend(trainer):
             "requests. Use a LoRA peft_config with a server, one training process, or the default generate backend "
             "(use_vllm=False) with DDP / DeepSpeed."
         )
-    sampling = sampling_settings(trainer)
-    gather = trainer._zero3_gather()
     if args.vllm_mode == "server":
         from .server import VLLMServerBackend
 
@@ -116,8 +108,8 @@ def build_vllm_backend(trainer):
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         model_impl=args.vllm_model_impl,
         trust_remote_code=args.trust_remote_code,
-        seed=args.seed + trainer.accelerator.process_index,
+        seed=args.seed + process_index,
         enforce_eager=device.type == "cpu",
         skip_tokenizer_init=True,  # prompts arrive as token ids, completions leave as token ids
     )
-    return VLLMColocateBackend(module, base_model_path(trainer), sampling, engine_kwargs, device=device, gather=gather)
+    return VLLMColocateBackend(module, base_model_path(module), sampling, engine_kwargs, device=device, gather=gather)
