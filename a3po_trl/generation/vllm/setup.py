@@ -76,15 +76,12 @@ def build_vllm_backend(
 ):
     """The vLLM backend (``use_vllm=True``), colocate or server, for the unwrapped training ``module`` with the
     trainer's ``args`` (an :class:`~a3po_trl.AsyncA3POConfig`) and sampling settings."""
-    processes = num_processes
-    if processes > 1 and not (args.vllm_mode == "server" and _serves_as_adapter(module)):
+    if num_processes > 1 and args.vllm_mode == "server" and not _serves_as_adapter(module):
         raise NotImplementedError(
-            f"use_vllm=True with {processes} training processes works with vllm_mode='server' and a LoRA adapter "
-            "only (each process loads its own adapter per version into the server, so no process changes weights "
-            "another one generates with). An in-process engine (colocate) would join the training process group, "
-            "and a full-weight reload on a shared server would change the weights under the other processes' "
-            "requests. Use a LoRA peft_config with a server, one training process, or the default generate backend "
-            "(use_vllm=False) with DDP / DeepSpeed."
+            f"use_vllm=True with vllm_mode='server', full weights and {num_processes} training processes is not "
+            "supported yet: a full-weight reload on a shared server would change the weights under the other "
+            "processes' requests. Use vllm_mode='colocate' (an engine in every training process), a LoRA "
+            "peft_config (each process loads its own adapter per version into the server), or one training process."
         )
     if args.vllm_mode == "server":
         from .server import VLLMServerBackend
@@ -112,4 +109,11 @@ def build_vllm_backend(
         enforce_eager=device.type == "cpu",
         skip_tokenizer_init=True,  # prompts arrive as token ids, completions leave as token ids
     )
+    if num_processes > 1:
+        # One engine per training process, as TRL's colocate mode runs them: the engine joins the process group the
+        # launcher set up (RANK / LOCAL_RANK / WORLD_SIZE), takes the process's own device, and builds its parallel
+        # groups over it while it starts (collectives in the main thread, every process together: backends are
+        # built in _start_engine, which every process reaches at the same step). Each group holds this process
+        # alone (tensor, pipeline and data parallel size 1), so generating never communicates with another process.
+        engine_kwargs["distributed_executor_backend"] = "external_launcher"
     return VLLMColocateBackend(module, base_model_path(module), sampling, engine_kwargs, device=device, gather=gather)
