@@ -32,7 +32,7 @@ import tempfile
 import torch
 
 from ...patches import peft_base_model
-from .common import VLLMSamplingSettings, active_lora, base_checkpoint_tensors, unsupported_lora_reason
+from .common import VLLMSamplingSettings, base_checkpoint_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +60,6 @@ def base_model_path(module: torch.nn.Module) -> str:
     return directory
 
 
-def _serves_as_adapter(module) -> bool:
-    lora = active_lora(module)
-    return lora is not None and unsupported_lora_reason(lora[1]) is None
-
-
 def build_vllm_backend(
     module: torch.nn.Module,
     args,
@@ -76,13 +71,6 @@ def build_vllm_backend(
 ):
     """The vLLM backend (``use_vllm=True``), colocate or server, for the unwrapped training ``module`` with the
     trainer's ``args`` (an :class:`~a3po_trl.AsyncA3POConfig`) and sampling settings."""
-    if num_processes > 1 and args.vllm_mode == "server" and not _serves_as_adapter(module):
-        raise NotImplementedError(
-            f"use_vllm=True with vllm_mode='server', full weights and {num_processes} training processes is not "
-            "supported yet: a full-weight reload on a shared server would change the weights under the other "
-            "processes' requests. Use vllm_mode='colocate' (an engine in every training process), a LoRA "
-            "peft_config (each process loads its own adapter per version into the server), or one training process."
-        )
     if args.vllm_mode == "server":
         from .server import VLLMServerBackend
 
