@@ -288,7 +288,8 @@ class AsyncA3POConfig(GRPOConfig):
             )
         span = self.versions_spanned_per_generation_batch
         if self.max_staleness is None:
-            self.max_staleness = self.derived_max_staleness(span)
+            # the span - 1 steps the schedule needs, plus one so that generation overlaps training
+            self.max_staleness = span
         elif isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             raise ValueError(
                 f"max_staleness={self.max_staleness!r} must be an integer >= 0 (0 = synchronous training, "
@@ -366,11 +367,6 @@ class AsyncA3POConfig(GRPOConfig):
             f"generation_kwargs sets temperature={value!r}, but the behavior and training log-probs are scaled by "
             f"temperature={self.temperature}: they would score another distribution than the one sampled. {fix}"
         )
-
-    def derived_max_staleness(self, span: int) -> int:
-        """``max_staleness`` when it is left unset, for batches trained over ``span`` optimizer steps: the ``span - 1``
-        the schedule needs, plus one step so that generation overlaps training."""
-        return span
 
     @property
     def versions_spanned_per_generation_batch(self) -> int:

@@ -213,8 +213,7 @@ def decoupled_ppo_loss(
     if importance_sampling_level == "token":
         log_importance = log_ratio
     else:
-        maskf = mask.to(log_ratio.dtype)
-        log_importance = ((log_ratio * maskf).sum(-1) / maskf.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        log_importance = _masked_sequence_mean(log_ratio, mask)
     ratio = torch.exp(log_importance)
     stats: dict[str, torch.Tensor] = {"importance_ratio": ratio}
 
@@ -294,7 +293,7 @@ def aggregate_loss(
     mask = mask.to(per_token_loss.dtype)
     masked = per_token_loss * mask
     if loss_type in ("grpo", "sapo"):
-        loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+        loss = _masked_sequence_mean(per_token_loss, mask).mean()
         return loss / gradient_accumulation_steps
     if loss_type == "bnpo":
         return masked.sum() / mask.sum().clamp(min=1.0) / gradient_accumulation_steps

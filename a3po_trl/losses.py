@@ -28,7 +28,27 @@ _PER_STEP_NORMALIZED = ("grpo", "sapo", "bnpo", "dr_grpo", "luspo")
 
 
 class DecoupledLossMixin:
-    """``compute_loss`` of :class:`~a3po_trl.AsyncA3POTrainer` (mixed into a GRPOTrainer subclass)."""
+    """``compute_loss`` of :class:`~a3po_trl.AsyncA3POTrainer`, mixed into a GRPOTrainer subclass.
+
+    What it reads of the trainer is GRPOTrainer's own state (``args``, ``state``, ``accelerator``, ``_metrics``, the
+    loss settings it derives from the config, the entropy controller's attributes,
+    ``_get_per_token_logps_and_entropies`` and the mask helpers), plus what a batch carries (``behavior_logps``,
+    ``policy_version``, and where they apply ``sampling_logps``, ``recomputed_proximal_logps``,
+    ``recompute_version``, ``ref_per_token_logps``). Its own state is
+    the seconds spent on proximal log-probs since the last log, which the trainer adds to with
+    :meth:`add_proximal_seconds` when it recomputes them in a forward.
+    """
+
+    _proximal_seconds: float = 0.0
+
+    def add_proximal_seconds(self, seconds: float) -> None:
+        """Count ``seconds`` spent obtaining proximal log-probs (logged as ``a3po/prox_time``)."""
+        self._proximal_seconds += seconds
+
+    def _sync_if_cuda(self):
+        """Wait for the device, so that a timing covers the kernels it started."""
+        if self.accelerator.device.type == "cuda":
+            torch.cuda.synchronize(self.accelerator.device)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs:
@@ -46,7 +66,7 @@ class DecoupledLossMixin:
             loglinear = approximate_proximal_logps(inputs["behavior_logps"], current_logps, staleness)
         if method == "loglinear":
             self._sync_if_cuda()
-            self._a3po_counters["loglinear_seconds"] += time.perf_counter() - start
+            self.add_proximal_seconds(time.perf_counter() - start)
             return loglinear, loglinear
         return inputs["recomputed_proximal_logps"], loglinear
 
@@ -189,8 +209,7 @@ class DecoupledLossMixin:
             max_staleness=self.args.max_staleness,
             loss_type=self.loss_type,
         )
-        counters = self._a3po_counters
-        values["a3po/prox_time"] = counters.pop("loglinear_seconds", 0.0) + counters.pop("recompute_seconds", 0.0)
+        values["a3po/prox_time"], self._proximal_seconds = self._proximal_seconds, 0.0
         for name, value in values.items():
             self._metrics[mode][name].append(value)
 

@@ -104,7 +104,8 @@ def _sum_and_count(values: torch.Tensor, mask_f: torch.Tensor) -> tuple[torch.Te
 
 
 def _per_sequence_mean(values: torch.Tensor, mask_f: torch.Tensor) -> torch.Tensor:
-    """GRPOTrainer's ``masked_seq_mean``: NaN for a sequence without tokens."""
+    """GRPOTrainer's ``masked_seq_mean``, for its clip-ratio extremes: NaN for a sequence without tokens (so that
+    ``nanmin``/``nanmax`` skip it), where the loss's per-sequence mean in :mod:`a3po_trl.functional` gives 0."""
     values = values.float()
     if values.size(1) == 1:
         return values.squeeze(1)

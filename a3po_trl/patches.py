@@ -17,6 +17,19 @@ from torch import nn
 _ALIGNED_MARKER = "_a3po_position_ids_from_mask"
 
 
+def peft_base_model(module: nn.Module) -> nn.Module:
+    """The model a PEFT wrapper wraps (the causal LM whose forward ``generate`` calls), or ``module`` itself."""
+    return module.get_base_model() if hasattr(module, "get_base_model") else module
+
+
+def strip_instance_forwards(module: nn.Module) -> None:
+    """Remove every instance-level ``forward`` patch (TRL's fused LM head, accelerate's autocast wrapper) from a copy
+    of a module: they close over the module they were applied to, so a copy would still run the original's."""
+    for submodule in module.modules():
+        submodule.__dict__.pop("forward", None)
+        submodule.__dict__.pop("_original_forward", None)
+
+
 def cast_lm_head_to_fp32(model: nn.Module) -> None:
     """Run ``model``'s LM head in float32 (weight, bias and activations), outside autocast, like TRL's
     ``cast_lm_head_to_fp32``; with tied embeddings the embedding output keeps the model's dtype."""
@@ -65,7 +78,7 @@ def align_position_ids_with_generation(model: nn.Module) -> bool:
     Hooks the backbone, which TRL's fused LM head and the model's own forward both call. Returns whether a hook was
     installed (models whose backbone takes no ``position_ids`` are left alone). Idempotent.
     """
-    target = model.get_base_model() if hasattr(model, "get_base_model") else model
+    target = peft_base_model(model)
     backbone = getattr(target, "base_model", None)
     if backbone is None or backbone is target or getattr(backbone, _ALIGNED_MARKER, False):
         return bool(backbone is not None and getattr(backbone, _ALIGNED_MARKER, False))

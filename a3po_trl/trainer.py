@@ -21,35 +21,29 @@ import os
 import textwrap
 import time
 import weakref
-from collections import defaultdict
 
-import numpy as np
 import torch
 from accelerate.utils import gather_object
-from torch import nn
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOConfig, GRPOTrainer
-from trl.data_utils import is_conversational
-from trl.trainer.utils import add_fused_lm_head, shuffle_sequence_dict, split_tensor_dict, use_adapter
+from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict, use_adapter
 
+from .builders import build_backend, deferred_reward_columns, effective_generation_config, rollout_settings
 from .config import AsyncA3POConfig, trainer_config
 from .distributed import destroy_process_group_at_exit
 from .functional import group_advantages
-from .generation import GenerationBackend, GenerationEngine, HFGenerateBackend, HFGenerationSettings
-from .generation.hf import generation_target
-from .generation.hf.sampling import processed_sampling, records_logps, samples_with_own_stream, sampling_deviations
+from .generation import GenerationBackend, GenerationEngine
 from .generation.schedule import TrainingLoopShape, oldest_allowed_version, plan_generation_batches, run_micro_steps
 from .generation.version_checkpoint import load_kept_versions, save_kept_versions
 from .losses import DecoupledLossMixin
 from .metrics import batch_metrics, tool_metrics
-from .patches import align_position_ids_with_generation, cast_lm_head_to_fp32
-from .rollout import RolloutSettings, decode_completions, run_rollout
+from .patches import align_position_ids_with_generation
+from .rollout import run_rollout
 from .rollout.custom import generate_completions
-from .rollout.multi_turn import agent_settings
 from .rollout.prompt_batches import repeated_prompt_batches
 from .rollout.scoring import score_with_reward_model, warn_about_unscorable_rows
-from .validation import check_supported, check_train_dataset
+from .validation import check_supported, check_train_dataset, check_trainer
 
 logger = logging.getLogger(__name__)
 
@@ -125,9 +119,8 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, **kwargs)
         finally:
             args.use_vllm = self._use_vllm_backend
-        self._check_supported_after_init()
-        self._generation_config_checked = self._checked_generation_config()
-        self._warn_about_dropout()
+        check_trainer(self)
+        self._generation_config_checked = effective_generation_config(self)
         for module in (self.model, self.accelerator.unwrap_model(self.ref_model) if self.ref_model else None):
             if module is not None:
                 align_position_ids_with_generation(module)
@@ -136,7 +129,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
 
         self._engine: GenerationEngine | None = None
         self.last_generation_engine: GenerationEngine | None = None
-        """The engine of the latest `train()` call, kept after it stops for inspection (counters, queue, policy)."""
+        """The engine of the latest `train()` call, kept after it stops for inspection (counters, queue, backend)."""
         self._backend: GenerationBackend | None = None
         self._run_start_step = 0
         self._steps_in_epoch: int | None = None
@@ -144,82 +137,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         self._schedule_warned = False
         self._weight_sync_seconds = 0.0
         self._resume_checkpoint = None
-        self._a3po_counters = defaultdict(float)
         self.add_callback(_PublishWeightsCallback(self))
-
-    # ---- validation ------------------------------------------------------------------------------------------------
-    def _check_supported_after_init(self):
-        if self._is_vlm:
-            raise NotImplementedError(
-                "AsyncA3POTrainer does not support vision-language models yet (its generator scores text only); "
-                "train them with trl.GRPOTrainer, or pass a text-only causal LM."
-            )
-        if self.is_fsdp_enabled:
-            raise NotImplementedError(
-                "FSDP is not supported yet (the generator's copy of the weights is built from whole parameters); use "
-                "DDP or DeepSpeed ZeRO-2/3 (`accelerate launch --config_file examples/accelerate_configs/...`)."
-            )
-        if self.train_dataset is not None and hasattr(self.train_dataset, "__len__"):
-            prompts_needed = self.args.generation_batch_size // self.num_generations
-            if len(self.train_dataset) < prompts_needed:
-                raise ValueError(
-                    f"train_dataset has {len(self.train_dataset)} prompts, fewer than one generation batch needs "
-                    f"({prompts_needed} = generation_batch_size {self.args.generation_batch_size} / num_generations "
-                    f"{self.num_generations}). Add prompts or lower per_device_train_batch_size or "
-                    "steps_per_generation."
-                )
-
-    def _checked_generation_config(self):
-        """The generation config ``generate`` will really use (TRL's, completed from the model's own), checked: its
-        temperature must be the one the training log-probs are scaled by, and whatever else makes it sample from
-        another distribution than ``softmax(logits / temperature)`` is reported."""
-        target = generation_target(self._unwrapped_model())
-        config = copy.deepcopy(self.generation_config)
-        try:
-            if not self._use_vllm_backend:  # vLLM samples with TRL's settings only, not the model's generation_config
-                config, _ = target._prepare_generation_config(config)
-        except (AttributeError, TypeError):  # a transformers without the merge helper: use TRL's config as it is
-            pass
-        if config.temperature is not None and abs(config.temperature - self.temperature) > 1e-12:
-            # A conflicting temperature in generation_kwargs is refused by the config already (before loading).
-            in_kwargs = (self.args.generation_kwargs or {}).get("temperature")
-            source = "generation_kwargs" if in_kwargs == config.temperature else "the model's generation_config"
-            raise ValueError(
-                f"{source} sets temperature={config.temperature}, but the training log-probs are scaled by "
-                f"temperature={self.temperature}: behavior and training log-probs would score different "
-                f"distributions. Set temperature={config.temperature} in the config instead of in {source}."
-            )
-        # The generate backend records the log-probs of a processed sampling distribution (top-k/p, penalties, ...)
-        # under plain sampling; vLLM refuses such settings before any model loads (check_vllm_settings).
-        recorded = [] if self._use_vllm_backend or not samples_with_own_stream(config) else processed_sampling(config)
-        unrecorded = [d for d in sampling_deviations(config) if d not in recorded]
-        if unrecorded:
-            logger.warning(
-                "Sampling with %s draws tokens from a different distribution than the temperature-scaled one the "
-                "behavior and training log-probs are computed from, which biases the importance ratios (set in the "
-                "config, generation_kwargs, or the model's generation_config). Use plain sampling (do_sample=True, "
-                "num_beams=1) for unbiased A-3PO updates.",
-                ", ".join(unrecorded),
-            )
-        if recorded:
-            logger.info(
-                "Sampling with %s: the generator records the log-probs of the processed distribution it draws each "
-                "token from, which enter the behavior weight pi_prox / pi_sampling; the trust region stays anchored "
-                "at the untruncated policy (an on-policy token has ratio 1, as in GRPOTrainer).",
-                ", ".join(recorded),
-            )
-        return config
-
-    def _warn_about_dropout(self):
-        if self.args.disable_dropout:
-            return
-        if any(isinstance(m, nn.Dropout) and m.p > 0 for m in self.model.modules()):
-            logger.warning(
-                "disable_dropout=False leaves dropout on in the training forward, while the generator samples and "
-                "scores its tokens without dropout: on-policy importance ratios then differ from 1 by the dropout "
-                "noise. Set disable_dropout=True (AsyncA3POConfig's default; GRPOConfig's is False) for unbiased "
-                "A-3PO updates."
-            )
 
     # ---- generation engine -----------------------------------------------------------------------------------------
     def _unwrapped_model(self):
@@ -227,130 +145,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
 
     def _build_backend(self) -> GenerationBackend:
         """The generation backend: Hugging Face ``generate`` on the generator's own copy, or vLLM (``use_vllm``)."""
-        if self._use_vllm_backend:
-            from .generation.vllm.setup import build_vllm_backend
-
-            return build_vllm_backend(self)
-        return self._build_hf_backend()
-
-    def _build_hf_backend(self) -> HFGenerateBackend:
-        temperature = self.temperature
-        cast_fp32 = self.args.cast_lm_head_to_fp32
-
-        def patch(module):
-            # Re-apply to the copy what the trainer applied to the training model (HFGenerateBackend strips the
-            # instance patches, which close over the training module).
-            target = generation_target(module)
-            if cast_fp32:
-                cast_lm_head_to_fp32(target)
-            add_fused_lm_head(target, temperature=temperature, cast_lm_head_to_fp32=cast_fp32)
-            align_position_ids_with_generation(module)
-
-        device = self.args.generation_device or self.accelerator.device
-        gather = self._zero3_gather()
-        return HFGenerateBackend(
-            self._unwrapped_model(), self._hf_generation_settings(), device=device, patch_fn=patch, gather=gather
-        )
-
-    def _zero3_gather(self):
-        """``GatheredParameters`` under ZeRO-3 (every process together, main thread), else None."""
-        if not self._zero3:
-            return None
-        import deepspeed
-
-        def gather(params):
-            return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-
-        return gather
-
-    def _hf_generation_settings(self) -> HFGenerationSettings:
-        effective = self._generation_config_checked
-        own_stream = samples_with_own_stream(effective)
-        if not own_stream:
-            logger.warning(
-                "This generation config is not plain sampling (%s): the generator leaves token selection to "
-                "generate, which draws from the global RNG that the training thread also uses.",
-                ", ".join(sampling_deviations(effective)),
-            )
-        behavior_logps_source = self.args.behavior_logps_source
-        if behavior_logps_source == "generation" and not records_logps(effective):
-            behavior_logps_source = "forward"  # beams or assisted decoding: no one-forward-per-token to record from
-        processed = processed_sampling(effective) if own_stream else []
-        if processed and behavior_logps_source != "generation":
-            raise ValueError(
-                f"Sampling with {', '.join(processed)} draws tokens from a processed distribution, whose log-probs "
-                "the behavior weight needs; they are recorded only while generating, one forward per token "
-                f"(behavior_logps_source={self.args.behavior_logps_source!r} with this generation config computes "
-                "the untruncated ones only). Set behavior_logps_source='generation' without chunked prefill or "
-                "assisted decoding, or leave the sampling settings at their neutral values (top_p=1.0, top_k=0, "
-                "min_p=None, repetition_penalty=1.0)."
-            )
-        return HFGenerationSettings(
-            generation_config=copy.deepcopy(self.generation_config),
-            eos_token_ids=list(self.eos_token_ids),
-            pad_token_id=self._tokenizer.pad_token_id,
-            chunk_size=self.args.generation_batch_chunk_size,
-            autocast_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.accelerator.mixed_precision),
-            behavior_logps_source=behavior_logps_source,
-            temperature=self.temperature,
-            own_random_stream=own_stream,
-            record_sampling_logps=bool(processed),
-        )
-
-    @property
-    def _zero3(self) -> bool:
-        return bool(self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3)
-
-    def _deferred_reward_columns(self) -> frozenset[int]:
-        """Reward models whose forward is a collective (partitioned by ZeRO-3) are scored in the main thread."""
-        if not self._zero3:
-            return frozenset()
-        return frozenset(i for i, func in enumerate(self.reward_funcs) if isinstance(func, nn.Module))
-
-    def _rollout_settings(self, batch_numbers=None) -> RolloutSettings:
-        """What the generation thread needs, copied. ``batch_numbers(index)`` is the global number of batch ``index``
-        of the run (its position in the sampler's order over epochs), from which its sampling seed derives."""
-        tokenizer = copy.deepcopy(self.processing_class)  # the thread gets its own tokenizers
-        chat_template, template_kwargs = self.chat_template, dict(self.chat_template_kwargs)
-
-        def render(prompts, tools):
-            return tokenizer.apply_chat_template(
-                conversation=prompts,
-                tools=tools or None,  # `or None`, as GRPOTrainer: some templates render tool boilerplate for []
-                chat_template=chat_template,
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-                **template_kwargs,
-            )["input_ids"]
-
-        def tokenize(prompts, tools):
-            if not is_conversational({"prompt": prompts[0]}):
-                return tokenizer(text=prompts)["input_ids"]
-            if tools is None or all(t is tools[0] for t in tools):
-                return render(prompts, tools[0] if tools else None)
-            return [render([prompt], prompt_tools)[0] for prompt, prompt_tools in zip(prompts, tools, strict=True)]
-
-        return RolloutSettings(
-            tokenize_prompts=tokenize,
-            decode=lambda ids, prompt_ids, prompts: decode_completions(tokenizer, ids, prompt_ids, prompts),
-            eos_token_ids=list(self.eos_token_ids),
-            pad_token_id=self._tokenizer.pad_token_id,
-            reward_funcs=list(self.reward_funcs),
-            reward_func_names=list(self.reward_func_names),
-            reward_processing_classes=[copy.deepcopy(c) for c in self.reward_processing_classes],
-            mask_truncated_completions=self.mask_truncated_completions,
-            pad_to_multiple_of=self.pad_to_multiple_of,
-            sampling_seeds=None if batch_numbers is None else self._sampling_seeds(batch_numbers),
-            deferred_reward_columns=self._deferred_reward_columns(),
-            async_loop=getattr(self, "async_loop", None),
-            chat_template_kwargs=template_kwargs,
-            agent=agent_settings(
-                self, tokenizer, self.args.refresh_weights_between_turns and not self.args.reproducible_generation
-            ),
-            rollout_func=self.rollout_func,
-            rollout_owner=self,
-        )
+        return build_backend(self)
 
     @staticmethod
     def generate_completions(prompt_ids: list[list[int]]) -> dict[str, list]:
@@ -358,17 +153,6 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         the batch being rolled out, returning ``{"completion_ids", "logprobs"}`` (the behavior log-probs its output
         must carry). Callable only from inside a ``rollout_func`` (see :mod:`a3po_trl.rollout.custom`)."""
         return generate_completions(prompt_ids)
-
-    def _sampling_seeds(self, batch_numbers):
-        """Seed of each batch's random stream: from ``args.seed``, the process and the batch's global number, so every
-        process and batch has its own stream and a resumed run regenerates a batch with the stream it had."""
-        process = self.accelerator.process_index
-
-        def seed(index: int) -> int:
-            sequence = np.random.SeedSequence([self.args.seed, process, batch_numbers(index)])
-            return int(sequence.generate_state(1, dtype=np.uint64)[0] >> 1)
-
-        return seed
 
     def set_initial_training_values(self, args, dataloader):
         # Trainer computes the loop's shape here; the batch schedule must follow the real loop (see schedule.py).
@@ -409,7 +193,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             seed=args.seed,
             skip_batches=batch_number(0) if planned else 0,
         )
-        settings = self._rollout_settings(batch_number)
+        settings = rollout_settings(self, batch_number)
         # A resumed reproducible run regenerates its next batches with the versions the checkpoint kept for them.
         earlier = load_kept_versions(self._resume_checkpoint) if args.reproducible_generation else {}
         first_version = min([*earlier, start_version])
@@ -511,7 +295,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         prompts, completions = scored.texts["prompt"], scored.texts["completion"]
 
         local_rewards = scored.rewards_per_func.to(device)
-        for i in self._deferred_reward_columns():
+        for i in deferred_reward_columns(self):
             values = score_with_reward_model(
                 self.reward_funcs[i],
                 self.reward_processing_classes[i],
@@ -557,7 +341,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
                 )[0]
             data["recompute_version"] = torch.full((batch_size,), self.state.global_step, device=device)
             self._sync_if_cuda()
-            self._a3po_counters["recompute_seconds"] += time.perf_counter() - start
+            self.add_proximal_seconds(time.perf_counter() - start)
         if self.beta != 0.0:
             data["ref_per_token_logps"] = self._reference_logps(prompt_completion_ids, attention_mask, logits_to_keep)
 
@@ -614,7 +398,3 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             return self._get_per_token_logps_and_entropies(
                 self.model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size
             )[0]
-
-    def _sync_if_cuda(self):
-        if self.accelerator.device.type == "cuda":
-            torch.cuda.synchronize(self.accelerator.device)

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 from datasets import IterableDataset
+from torch import nn
 from trl import GRPOConfig
+
+from .generation.vllm.common import active_lora, unsupported_lora_reason
+
+logger = logging.getLogger(__name__)
 
 _VLLM_MODES = ("colocate", "server")
 
@@ -147,4 +154,52 @@ def check_train_dataset(dataset, environment_owns_prompts: bool = False) -> None
         raise ValueError(
             f"train_dataset has no 'prompt' column (columns: {columns}). Rename the column holding the prompts, "
             "e.g. dataset.rename_column('question', 'prompt')."
+        )
+
+
+def check_trainer(trainer) -> None:
+    """Refuse, once GRPOTrainer has set the trainer up, what needs the loaded model or dataset to be seen; warn about
+    dropout left on."""
+    if trainer._is_vlm:
+        raise NotImplementedError(
+            "AsyncA3POTrainer does not support vision-language models yet (its generator scores text only); "
+            "train them with trl.GRPOTrainer, or pass a text-only causal LM."
+        )
+    if trainer.is_fsdp_enabled:
+        raise NotImplementedError(
+            "FSDP is not supported yet (the generator's copy of the weights is built from whole parameters); use "
+            "DDP or DeepSpeed ZeRO-2/3 (`accelerate launch --config_file examples/accelerate_configs/...`)."
+        )
+    processes = trainer.accelerator.num_processes
+    if trainer._use_vllm_backend and trainer.args.vllm_mode == "server" and processes > 1:
+        lora = active_lora(trainer._unwrapped_model())
+        if lora is None or unsupported_lora_reason(lora[1]) is not None:
+            raise NotImplementedError(
+                f"use_vllm=True with vllm_mode='server', full weights and {processes} training processes is not "
+                "supported yet: a full-weight reload on a shared server would change the weights under the other "
+                "processes' requests. Use vllm_mode='colocate' (an engine in every training process), a LoRA "
+                "peft_config (each process loads its own adapter per version into the server), or one training "
+                "process."
+            )
+    if trainer.train_dataset is not None and hasattr(trainer.train_dataset, "__len__"):
+        prompts_needed = trainer.args.generation_batch_size // trainer.num_generations
+        if len(trainer.train_dataset) < prompts_needed:
+            raise ValueError(
+                f"train_dataset has {len(trainer.train_dataset)} prompts, fewer than one generation batch needs "
+                f"({prompts_needed} = generation_batch_size {trainer.args.generation_batch_size} / num_generations "
+                f"{trainer.num_generations}). Add prompts or lower per_device_train_batch_size or "
+                "steps_per_generation."
+            )
+    _warn_about_dropout(trainer)
+
+
+def _warn_about_dropout(trainer) -> None:
+    if trainer.args.disable_dropout:
+        return
+    if any(isinstance(m, nn.Dropout) and m.p > 0 for m in trainer.model.modules()):
+        logger.warning(
+            "disable_dropout=False leaves dropout on in the training forward, while the generator samples and "
+            "scores its tokens without dropout: on-policy importance ratios then differ from 1 by the dropout "
+            "noise. Set disable_dropout=True (AsyncA3POConfig's default; GRPOConfig's is False) for unbiased "
+            "A-3PO updates."
         )

@@ -16,5 +16,8 @@ class AsyncA3POConfigStaleness2(AsyncA3POConfig):
     ahead. A batch schedule that trains one batch over more steps (the tests do not set ``max_staleness``) gets what
     it needs instead, as the derived default does."""
 
-    def derived_max_staleness(self, span: int) -> int:
-        return max(2, span - 1)
+    def __post_init__(self):
+        unset = self.max_staleness is None
+        super().__post_init__()  # derives max_staleness = span when unset, after checking the batch schedule
+        if unset:
+            self.max_staleness = max(2, self.versions_spanned_per_generation_batch - 1)

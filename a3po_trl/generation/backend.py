@@ -50,8 +50,8 @@ class GenerationBackend(ABC):
         self.device = torch.device(device)
         self.version = -1
         """Version of the weights generation uses now (-1 before the first refresh)."""
-        self.info: Any = None
-        """What was published with :attr:`version`."""
+        self.trainer_state: Any = None
+        """The trainer state published with :attr:`version` (what reward functions receive as ``trainer_state``)."""
         self.keep_versions = False
         """Keep every published version that a later batch may still be generated with (see :meth:`refresh`'s
         ``exact``), instead of only the newest: up to ``max_staleness + 1`` staging buffers then."""
@@ -63,15 +63,15 @@ class GenerationBackend(ABC):
 
     # ---- main thread ---------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def publish(self, module: nn.Module, version: int, info: Any = None) -> float:
-        """Copy ``module``'s trainable weights into a staging buffer as ``version``, with ``info`` (what else
-        describes this version, e.g. a snapshot of the trainer state), loaded with them. Returns seconds."""
+    def publish(self, module: nn.Module, version: int, trainer_state: Any = None) -> float:
+        """Copy ``module``'s trainable weights into a staging buffer as ``version``, with a snapshot of the trainer
+        state at that version, loaded with them. Returns seconds."""
         start = time.perf_counter()
         params = dict(module.named_parameters())
         with self._gather([params[name] for name in self.trainable_names]), self._lock:
             if not self.keep_versions:
                 self._drop_versions(lambda v: True)  # one buffer, overwritten by each version
-            self._store(version, {name: params[name].detach() for name in self.trainable_names}, info)
+            self._store(version, {name: params[name].detach() for name in self.trainable_names}, trainer_state)
         return time.perf_counter() - start
 
     def reset(self) -> None:
@@ -92,14 +92,7 @@ class GenerationBackend(ABC):
         with self._lock:
             return sorted(self._published)
 
-    def staging_tensors(self) -> list[torch.Tensor]:
-        """One set of staging buffers (one per trainable parameter) that :meth:`publish` fills, e.g. to measure
-        memory; with :attr:`keep_versions` there can be several."""
-        with self._lock:
-            buffers = self._published[max(self._published)][0] if self._published else self._template
-        return list(buffers.values())
-
-    def _store(self, version: int, weights: dict[str, torch.Tensor], info: Any) -> None:
+    def _store(self, version: int, weights: dict[str, torch.Tensor], trainer_state: Any) -> None:
         """Under the lock: copy ``weights`` into a free staging buffer (reused, or new) as ``version``, replacing an
         earlier copy of the same version."""
         self._drop_versions(lambda v: v == version)
@@ -108,7 +101,7 @@ class GenerationBackend(ABC):
             buffers[name].copy_(weights[name], non_blocking=True)
         if buffers and next(iter(buffers.values())).device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # whole before the generation thread's stream reads it
-        self._published[version] = (buffers, info)
+        self._published[version] = (buffers, trainer_state)
         self._staging_version = max(self._staging_version, version)  # versions only grow between resets
 
     def _new_buffers(self) -> dict[str, torch.Tensor]:
@@ -132,10 +125,10 @@ class GenerationBackend(ABC):
                     f"Weight version {target} is not held any more (kept: {sorted(self._published)}); it is kept only "
                     "with keep_versions=True and until the batch generated with it has been consumed."
                 )
-            buffers, info = self._published[target]
+            buffers, trainer_state = self._published[target]
             self.load_weights(buffers, target)
             self.version = target
-            self.info = info
+            self.trainer_state = trainer_state
         return True
 
     def release_versions_before(self, version: int) -> None:
@@ -144,19 +137,20 @@ class GenerationBackend(ABC):
             self._drop_versions(lambda v: v < version and v != self._staging_version)
 
     def kept_weights(self, before: int) -> dict[int, tuple[dict[str, torch.Tensor], Any]]:
-        """Copies of the kept versions older than ``before`` with what was published with them (for a checkpoint)."""
+        """Copies of the kept versions older than ``before`` with the trainer state published with them (for a
+        checkpoint)."""
         with self._lock:
             return {
-                v: ({name: t.detach().to("cpu", copy=True) for name, t in buffers.items()}, info)
-                for v, (buffers, info) in self._published.items()
+                v: ({name: t.detach().to("cpu", copy=True) for name, t in buffers.items()}, trainer_state)
+                for v, (buffers, trainer_state) in self._published.items()
                 if v < before
             }
 
     @torch.no_grad()
-    def restore_weights(self, version: int, weights: dict[str, torch.Tensor], info: Any = None) -> None:
+    def restore_weights(self, version: int, weights: dict[str, torch.Tensor], trainer_state: Any = None) -> None:
         """Publish ``weights`` (from :meth:`kept_weights` of a checkpoint) as ``version`` again, without a module."""
         with self._lock:
-            self._store(version, weights, info)
+            self._store(version, weights, trainer_state)
 
     @abstractmethod
     def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
@@ -170,6 +164,23 @@ class GenerationBackend(ABC):
         """Sample one completion per prompt with the loaded version, and its behavior log-probs. ``seed`` (when not
         None) fixes the batch's random stream, so the same batch samples the same whenever it runs. Raises
         :class:`GenerationStopped` if ``should_stop()`` turns true."""
+
+    def timed_generate(
+        self,
+        prompt_ids: list[list[int]],
+        should_stop: Callable[[], bool] | None,
+        seed: int | None,
+        timings: dict[str, float],
+    ) -> GeneratedCompletions:
+        """:meth:`generate`, adding its seconds to ``timings``: ``"generation"``, and ``"behavior_logps"`` for the
+        part a separate log-prob forward took (what a rollout reports as ``async/generation_time`` and
+        ``async/behavior_logps_time``)."""
+        start = time.perf_counter()
+        generated = self.generate(prompt_ids, should_stop, seed)
+        forward = generated.timings.get("behavior_logps", 0.0)
+        timings["generation"] = timings.get("generation", 0.0) + time.perf_counter() - start - forward
+        timings["behavior_logps"] = timings.get("behavior_logps", 0.0) + forward
+        return generated
 
     def close(self) -> None:
         """Release what the backend holds (an engine, a server connection). Idempotent."""

@@ -34,8 +34,8 @@ class GenerationEngine:
     Args:
         backend: what generates (see :class:`GenerationBackend`), holding the published weights.
         prompt_batches: iterator of local generation batches (lists of dataset rows).
-        rollout: ``rollout(backend, rows, should_stop, info, index) -> ScoredBatch`` (index and version filled in
-            here), with ``info`` what the trainer published with the weights' version (see
+        rollout: ``rollout(backend, rows, should_stop, trainer_state, index) -> ScoredBatch`` (index and version
+            filled in here), with ``trainer_state`` the trainer state published with the weights' version (see
             :meth:`GenerationBackend.publish`) and ``index`` the batch's position in the run.
         min_version: ``min_version(i)`` is the oldest weight version allowed to generate batch ``i``.
         num_batches: how many batches this run needs.
@@ -87,23 +87,24 @@ class GenerationEngine:
         """Batches generated with older weights than ``min_version`` asked for, because the trainer needed them."""
 
     # ---- main thread -------------------------------------------------------------------------------------------
-    def start(self, module: torch.nn.Module, version: int, info: Any = None, earlier_versions=None) -> None:
+    def start(self, module: torch.nn.Module, version: int, trainer_state: Any = None, earlier_versions=None) -> None:
         """Publish the starting weights and, if asynchronous, start the generation thread. ``earlier_versions``
-        (``{version: (weights, info)}``, from a checkpoint) are published again first, for batches still to be
-        generated with them."""
+        (``{version: (weights, trainer_state)}``, from a checkpoint) are published again first, for batches still to
+        be generated with them."""
         self.backend.reset()
-        for earlier, (weights, earlier_info) in sorted((earlier_versions or {}).items()):
-            self.backend.restore_weights(earlier, weights, earlier_info)
-        self.publish(module, version, info)
+        for earlier, (weights, earlier_state) in sorted((earlier_versions or {}).items()):
+            self.backend.restore_weights(earlier, weights, earlier_state)
+        self.publish(module, version, trainer_state)
         if self.asynchronous and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="a3po-generation", daemon=True)
             self._thread.start()
 
-    def publish(self, module: torch.nn.Module, version: int, info: Any = None) -> float:
-        """Publish the trainer's weights as ``version`` (with ``info``) and wake the generator. Returns seconds."""
+    def publish(self, module: torch.nn.Module, version: int, trainer_state: Any = None) -> float:
+        """Publish the trainer's weights as ``version`` (with the trainer state) and wake the generator. Returns
+        seconds."""
         seconds = 0.0
         if not (self.exact_versions and self.produced >= self.num_batches):  # kept versions nobody will load: skip
-            seconds = self.backend.publish(module, version, info)
+            seconds = self.backend.publish(module, version, trainer_state)
         with self._version_cond:
             self._trainer_version = version
             self._version_cond.notify_all()
@@ -191,7 +192,7 @@ class GenerationEngine:
         version = self.backend.version
         rows = next(self.prompt_batches)
         start = time.perf_counter()
-        batch = self.rollout(self.backend, rows, self._should_stop, self.backend.info, index)
+        batch = self.rollout(self.backend, rows, self._should_stop, self.backend.trainer_state, index)
         batch.index = index
         batch.version = version
         batch.timings["generator_wait_for_staleness_bound"] = waited

@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import math
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,11 +39,12 @@ def generate_completions(prompt_ids: list[list[int]]) -> dict[str, list]:
             "generation thread for each batch."
         )
     context["calls"] += 1
-    start = time.perf_counter()
-    generated = context["backend"].generate(
-        [list(ids) for ids in prompt_ids], context["should_stop"], turn_seed(context["seed"], context["calls"] - 1)
+    generated = context["backend"].timed_generate(
+        [list(ids) for ids in prompt_ids],
+        context["should_stop"],
+        turn_seed(context["seed"], context["calls"] - 1),
+        context["timings"],
     )
-    context["seconds"] += time.perf_counter() - start
     return {
         "completion_ids": [list(ids) for ids in generated.completion_ids],
         "logprobs": [[float(x) for x in row.tolist()] for row in generated.logps],
@@ -62,11 +62,11 @@ def run_rollout_func(
 ) -> tuple[list[list[int]], Trajectories, dict[str, list]]:
     """``(prompt_ids, trajectories, extra_fields)`` from ``rollout_func(prompts, owner)``; the extra fields go to the
     reward functions, as in GRPOTrainer."""
-    _active.context = {"backend": backend, "should_stop": should_stop, "seed": seed, "calls": 0, "seconds": 0.0}
+    _active.context = {"backend": backend, "should_stop": should_stop, "seed": seed, "calls": 0, "timings": {}}
     version = backend.version
     try:
         output = rollout_func(copy.deepcopy(prompts), owner)
-        seconds = _active.context["seconds"]
+        timings = _active.context["timings"]
     finally:
         _active.context = None
     missing = sorted(set(_REQUIRED_KEYS) - set(output))
@@ -98,6 +98,6 @@ def run_rollout_func(
         versions=[[version if flag else NO_VERSION for flag in row] for row in flags],
         completions=decode(completion_ids, prompt_ids, prompts),
         tool_mask=[[int(flag) for flag in row] for row in env_mask] if env_mask is not None else None,
-        timings={"generation": seconds},
+        timings=timings,
     )
     return prompt_ids, trajectories, extra

@@ -348,10 +348,7 @@ def generate_with_tools(
             backend.refresh()
             timings["weight_load"] += time.perf_counter() - start
         version = backend.version
-        start = time.perf_counter()
-        generated = backend.generate(ids_list, should_stop, turn_seed(seed, turn))
-        timings["generation"] += time.perf_counter() - start - generated.timings.get("behavior_logps", 0.0)
-        timings["behavior_logps"] = timings.get("behavior_logps", 0.0) + generated.timings.get("behavior_logps", 0.0)
+        generated = backend.timed_generate(ids_list, should_stop, turn_seed(seed, turn), timings)
         logps = [[float(x) for x in row.tolist()] for row in generated.logps]
         if generated.sampling_logps is not None:
             sampled[0] = True

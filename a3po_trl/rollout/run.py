@@ -186,10 +186,8 @@ def run_rollout(
 
 def generate_single_turn(settings, backend, prompts, prompt_ids, should_stop, seed) -> Trajectories:
     """One generate call for the batch: every token from the loaded version."""
-    start = time.perf_counter()
-    generated = backend.generate(prompt_ids, should_stop, seed)
-    timings = dict(generated.timings)
-    timings["generation"] = time.perf_counter() - start - timings.get("behavior_logps", 0.0)
+    timings: dict[str, float] = {}
+    generated = backend.timed_generate(prompt_ids, should_stop, seed, timings)
     version = backend.version
     sampling_logps = generated.sampling_logps
     return Trajectories(

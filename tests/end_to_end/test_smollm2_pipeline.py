@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from tiny import length_reward
+from tiny import generator_matches, length_reward
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
@@ -60,7 +60,7 @@ def test_smollm2_trains_asynchronously_and_evaluates(tmp_path):
     engine = trainer.last_generation_engine
     assert engine.produced == engine.consumed == STEPS
     engine.backend.refresh()
-    assert engine.backend.matches(trainer.model)
+    assert generator_matches(engine.backend, trainer.model)
 
     result = evaluate_accuracy(trainer.model, tokenizer, held_out, max_new_tokens=12, batch_size=4)
     assert result["count"] == 4 and 0.0 <= result["accuracy"] <= 1.0

@@ -15,6 +15,7 @@ from helpers import first_batch_with_logps, logged, make_trainer
 from tiny import length_reward, make_model, make_prompts
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from a3po_trl import builders
 from a3po_trl.generation.hf import sampling
 
 
@@ -128,7 +129,7 @@ def test_sampling_settings_that_change_the_distribution_are_reported(tokenizer, 
     with pytest.raises(ValueError, match=r"generation_kwargs sets temperature=0.5.*temperature=0.5 in the config"):
         make_trainer(tokenizer, tmp_path, generation_kwargs={"temperature": 0.5})
     # Processed sampling (truncation, penalties) is recorded, and said so; what cannot be recorded is a warning.
-    with caplog.at_level(logging.INFO, logger="a3po_trl.trainer"):
+    with caplog.at_level(logging.INFO, logger="a3po_trl"):
         make_trainer(tokenizer, tmp_path, generation_kwargs={"top_k": 3, "typical_p": 0.9})
     assert "top_k=3" in caplog.text and "typical_p=0.9" in caplog.text
     assert "records the log-probs of the processed distribution" in caplog.text
@@ -136,19 +137,19 @@ def test_sampling_settings_that_change_the_distribution_are_reported(tokenizer, 
     caplog.clear()
     model = make_model(tokenizer)
     model.generation_config.no_repeat_ngram_size = 2  # from the model's own generation config, not TRL's
-    with caplog.at_level(logging.INFO, logger="a3po_trl.trainer"):
+    with caplog.at_level(logging.INFO, logger="a3po_trl"):
         trainer = make_trainer(tokenizer, tmp_path, model=model)
     assert "no_repeat_ngram_size=2" in caplog.text
-    assert trainer._hf_generation_settings().record_sampling_logps
+    assert builders.hf_generation_settings(trainer).record_sampling_logps
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="a3po_trl.trainer"):
+    with caplog.at_level(logging.WARNING, logger="a3po_trl"):
         make_trainer(tokenizer, tmp_path, generation_kwargs={"do_sample": False})
     assert "do_sample=False" in caplog.text and "biases the importance ratios" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="a3po_trl.trainer"):
+    with caplog.at_level(logging.INFO, logger="a3po_trl"):
         trainer = make_trainer(tokenizer, tmp_path)
     assert "biases the importance ratios" not in caplog.text and "processed distribution" not in caplog.text
-    assert not trainer._hf_generation_settings().record_sampling_logps
+    assert not builders.hf_generation_settings(trainer).record_sampling_logps
 
 
 def test_truncated_sampling_records_both_the_policy_and_the_sampling_log_probs(tokenizer, tmp_path):
@@ -202,11 +203,11 @@ def test_beam_search_trains_with_behavior_log_probs_from_a_forward(tokenizer, tm
 
 def test_dropout_left_on_is_reported(tokenizer, tmp_path, caplog):
     model = _gpt2(tokenizer)  # GPT-2 has dropout layers (p=0.1)
-    with caplog.at_level(logging.WARNING, logger="a3po_trl.trainer"):
+    with caplog.at_level(logging.WARNING, logger="a3po_trl"):
         make_trainer(tokenizer, tmp_path, model=model, disable_dropout=False)
     assert "disable_dropout=False" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="a3po_trl.trainer"):
+    with caplog.at_level(logging.WARNING, logger="a3po_trl"):
         make_trainer(tokenizer, tmp_path, model=_gpt2(tokenizer))
     assert "disable_dropout" not in caplog.text
 
@@ -231,6 +232,6 @@ def test_reward_processing_classes_are_copied_for_the_generation_thread(tokenize
     trainer = make_trainer(tokenizer, tmp_path, dataset=make_prompts(8))
     trainer.reward_processing_classes = [tokenizer]
     trainer._backend = trainer._build_backend()
-    settings = trainer._rollout_settings()
+    settings = builders.rollout_settings(trainer)
     assert settings.reward_processing_classes[0] is not tokenizer
     assert settings.reward_processing_classes[0].get_vocab() == tokenizer.get_vocab()

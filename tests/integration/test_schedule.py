@@ -74,7 +74,7 @@ def test_staleness_bound_holds_when_an_epoch_ends_in_a_short_window(
         num_train_epochs=epochs,
         max_completion_length=4,
     )
-    with caplog.at_level(logging.WARNING, logger="a3po_trl.trainer"):
+    with caplog.at_level(logging.WARNING, logger="a3po_trl"):
         trainer.train()
     _assert_bound_held(trainer, max_staleness, caplog)
 
@@ -117,7 +117,7 @@ def test_resume_inside_a_batch_and_an_epoch_keeps_the_bound(tokenizer, tmp_path,
     first = make_trainer(tokenizer, tmp_path, **overrides)
     first.train()
     resumed = make_trainer(tokenizer, tmp_path, **overrides)
-    with caplog.at_level(logging.WARNING, logger="a3po_trl.trainer"):
+    with caplog.at_level(logging.WARNING, logger="a3po_trl"):
         resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
     _assert_bound_held(resumed, 1, caplog)
     steps = resumed._micro_steps

@@ -5,11 +5,11 @@ import threading
 import pytest
 import torch
 from helpers import COMMON, logged, make_trainer
-from tiny import length_reward, make_model, make_prompts
+from tiny import generator_matches, length_reward, make_model, make_prompts
 from transformers import TrainerCallback, TrainingArguments
 from trl import GRPOConfig
 
-from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
+from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer, builders
 
 
 @pytest.mark.parametrize("max_staleness", [1, 3])
@@ -73,13 +73,13 @@ def test_parameters_change_and_generator_matches_after_publication(tokenizer, tm
     assert len(changed) == len(before)
     policy = trainer.last_generation_engine.backend
     assert policy.published_version == trainer.state.global_step == 3
-    assert not policy.matches(trainer.model) or policy.version == 3
+    assert not generator_matches(policy, trainer.model) or policy.version == 3
     policy.refresh()
-    assert policy.version == 3 and policy.matches(trainer.model)
+    assert policy.version == 3 and generator_matches(policy, trainer.model)
     # the generator owns its copy: changing the trainer's weights does not change the generator's
     with torch.no_grad():
         next(trainer.model.parameters()).add_(1.0)
-    assert not policy.matches(trainer.model)
+    assert not generator_matches(policy, trainer.model)
 
 
 def test_generator_copy_does_not_call_the_training_module(tokenizer, tmp_path):
@@ -207,8 +207,8 @@ def test_evaluation_runs_beside_the_generation_thread(tokenizer, tmp_path):
 
 def test_truncated_sampling_is_recorded_not_warned_about(tokenizer, tmp_path, caplog):
     """top-k/top-p no longer bias the update: the generator records the truncated distribution's log-probs too."""
-    with caplog.at_level("INFO", logger="a3po_trl.trainer"):
+    with caplog.at_level("INFO", logger="a3po_trl"):
         trainer = make_trainer(tokenizer, tmp_path, top_p=0.9, top_k=20)
     assert "top_k=20, top_p=0.9" in caplog.text and "records the log-probs of the processed" in caplog.text
     assert "biases the importance ratios" not in caplog.text
-    assert trainer._hf_generation_settings().record_sampling_logps
+    assert builders.hf_generation_settings(trainer).record_sampling_logps

@@ -340,9 +340,9 @@ def test_training_against_the_server_with_lora_keeps_the_staleness_bound(tokeniz
     trainer._backend.close()
 
 
-@pytest.mark.slow
-def test_two_training_processes_share_one_server_with_their_own_adapters(tmp_path, vllm_server):
-    """DDP on two CPU processes (gloo), one server: each process loads its own adapter per version."""
+def _launch_two_processes(tmp_path, model_dir, mode, *extra, timeout=900):
+    """``tests/scripts/distributed_vllm.py`` under ``accelerate launch`` with two CPU processes (gloo): the
+    launcher's result, its wall time and each rank's report (a rank that was killed writes none)."""
     import json
     import subprocess
     import sys
@@ -353,22 +353,86 @@ def test_two_training_processes_share_one_server_with_their_own_adapters(tmp_pat
         "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_processes: 2\ngpu_ids: all\n"
         f"mixed_precision: 'no'\nnum_machines: 1\nmachine_rank: 0\nmain_process_port: {free_port()}\n"
     )
-    script = os.path.join(root, "tests", "scripts", "distributed_vllm_server.py")
+    script = os.path.join(root, "tests", "scripts", "distributed_vllm.py")
     out = tmp_path / "out"
     out.mkdir()
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), script, str(out),
-        vllm_server["url"], str(vllm_server["model"]),
+        str(model_dir), mode, *extra,
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=root)
+    start = time.monotonic()
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=root)
+    seconds = time.monotonic() - start
+    reports = {
+        rank: json.loads((out / f"rank{rank}.json").read_text())
+        for rank in range(2)
+        if (out / f"rank{rank}.json").exists()
+    }
+    return result, seconds, reports
+
+
+def _check_two_process_run(result, reports):
+    """Both processes trained 3 steps on their own batches within the staleness bound, their engines' log-probs of
+    the sampled tokens match the trainer's for each version, and the advantages are GRPOTrainer's over both
+    processes' rewards."""
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
-    assert [r["world_size"] for r in reports] == [2, 2]
-    assert all(r["global_step"] == 3 and r["batches_consumed"] == 3 for r in reports)
-    assert all(r["max_staleness_seen"] <= 1 for r in reports)
-    assert reports[0]["adapter"] != reports[1]["adapter"]  # each process its own adapter
-    assert all(r["mismatch_max"] and max(r["mismatch_max"]) < LOGP_TOLERANCE for r in reports)
+    assert sorted(reports) == [0, 1]
+    for r in reports.values():
+        assert r["world_size"] == 2 and "error" not in r
+        assert r["global_step"] == 3 and r["batches_consumed"] == 3
+        assert 0 <= r["max_staleness_seen"] <= 1
+        assert r["mismatch_max"] and max(r["mismatch_max"]) < LOGP_TOLERANCE
+        assert not [name for name in r["threads_alive"] if name.startswith("a3po")]
+    from a3po_trl.functional import group_advantages
+
+    for step in range(3):
+        calls = [reports[rank]["advantage_calls"][step] for rank in range(2)]
+        assert calls[0]["rewards"] == calls[1]["rewards"]  # every process sees every process's rewards
+        rewards = torch.tensor(calls[0]["rewards"])
+        assert rewards.shape == (8, 1)  # 2 processes x 4 completions
+        expected, _, _ = group_advantages(rewards, torch.ones(1), 4, scale_rewards="batch")
+        local = reports[0]["local_advantages"][step] + reports[1]["local_advantages"][step]
+        assert torch.allclose(torch.tensor(sorted(local)), torch.sort(expected).values, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory, tokenizer):
+    directory = tmp_path_factory.mktemp("vllm-model") / "model"
+    make_vllm_model(tokenizer).save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_two_training_processes_each_generate_with_their_own_colocated_engine(tmp_path, saved_model, lora):
+    """DDP on two CPU processes (gloo), vllm_mode='colocate': an in-process engine per process, loaded with that
+    process's published versions."""
+    result, _, reports = _launch_two_processes(tmp_path, saved_model, "colocate", *(["--lora"] if lora else []))
+    _check_two_process_run(result, reports)
+
+
+@pytest.mark.slow
+def test_an_engine_failing_in_one_process_ends_both_processes(tmp_path, saved_model):
+    """Process 1's engine raises on its second batch: that process's train() raises naming the cause, and the other
+    process, left waiting in a collective, ends too instead of hanging."""
+    result, seconds, reports = _launch_two_processes(
+        tmp_path, saved_model, "colocate", "--fail-rank", "1", timeout=600
+    )
+    assert result.returncode != 0
+    assert "engine failure injected in process 1" in reports[1]["error"]
+    assert not [name for name in reports[1]["threads_alive"] if name.startswith("a3po")]
+    assert seconds < 400  # the launcher returned: no rank was left waiting (a hang would run into the timeout)
+
+
+@pytest.mark.slow
+def test_two_training_processes_share_one_server_with_their_own_adapters(tmp_path, vllm_server):
+    """DDP on two CPU processes (gloo), one server: each process loads its own adapter per version."""
+    result, _, reports = _launch_two_processes(
+        tmp_path, vllm_server["model"], "server", "--url", vllm_server["url"], "--lora"
+    )
+    _check_two_process_run(result, reports)
+    assert reports[0]["adapter"][0] != reports[1]["adapter"][0]  # each process its own adapter
 
 
 def test_server_full_weight_versions_reload_and_their_logps_match_the_trainer(tokenizer, tmp_path, vllm_server):

@@ -22,6 +22,7 @@ from helpers import distributed_script_config  # noqa: E402
 from tiny import (  # noqa: E402
     CALL,
     DONE,
+    generator_matches,
     length_reward,
     make_model,
     make_prompts,
@@ -102,7 +103,7 @@ def main():
         "global_step": trainer.state.global_step,
         "generator_version": policy.version,
         "generator_checksum": sum(p.double().sum().item() for p in policy.module.parameters()),
-        "generator_matches_trainer": policy.matches(trainer.accelerator.unwrap_model(trainer.model)),
+        "generator_matches_trainer": generator_matches(policy, trainer.accelerator.unwrap_model(trainer.model)),
         "copied_parameters": policy.copied_parameter_count,
         "shared_parameters": policy.shared_parameter_count,
         "batches_consumed": trainer.last_generation_engine.consumed,

@@ -27,9 +27,10 @@ LAYERS = {
     "a3po_trl.metrics": 6,
     "a3po_trl.losses": 6,
     "a3po_trl.validation": 6,
-    "a3po_trl.trainer": 7,
-    "a3po_trl.__init__": 8,
-    "a3po_trl.tasks": 9,
+    "a3po_trl.builders": 7,  # the one module that reads trainer internals to build what the thread needs
+    "a3po_trl.trainer": 8,
+    "a3po_trl.__init__": 9,
+    "a3po_trl.tasks": 10,
 }
 
 

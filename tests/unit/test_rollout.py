@@ -192,7 +192,7 @@ def test_recorder_falls_back_to_a_forward_when_generate_does_not_step_once_per_t
     for source in ("generation", "forward"):
         torch.manual_seed(0)
         chunked = _backend(model, tokenizer, source, 1.0, prefill_chunk_size=4)
-        with caplog.at_level("WARNING", logger="a3po_trl.generation.hf.backend"):
+        with caplog.at_level("WARNING", logger="a3po_trl"):
             results[source] = run_rollout(_rollout_settings(tokenizer), chunked, rows).tensors
         assert not chunked.module._forward_hooks
     assert caplog.text.count("could not be recorded during generation") == 1

@@ -32,16 +32,12 @@ from transformers import GenerationConfig, StoppingCriteriaList
 
 from ...config import BEHAVIOR_LOGPS_SOURCES
 from ...padding import pad_rows
+from ...patches import peft_base_model, strip_instance_forwards
 from ...types import GeneratedCompletions, GenerationStopped
 from ..backend import GenerationBackend, module_device, same_device
 from .sampling import GenerationLogpsRecorder, OwnStreamSampling
 
 logger = logging.getLogger(__name__)
-
-
-def generation_target(module: nn.Module) -> nn.Module:
-    """The causal LM whose forward ``generate`` calls (the base model of a PEFT model)."""
-    return module.get_base_model() if hasattr(module, "get_base_model") else module
 
 
 def per_token_logps_fused(model: nn.Module, input_ids, attention_mask, logits_to_keep: int, chunk_size: int | None):
@@ -88,8 +84,6 @@ class HFGenerationSettings:
 class HFGenerateBackend(GenerationBackend):
     """Generation with Hugging Face ``generate`` on the generator's own copy of the policy (see the module doc)."""
 
-    name = "generate"
-
     def __init__(
         self,
         module: nn.Module,
@@ -116,9 +110,7 @@ class HFGenerateBackend(GenerationBackend):
             shares = same_device(device, module_device(module))
             memo = {id(p): p for p in module.parameters() if not p.requires_grad} if shares else {}
             self.module = copy.deepcopy(module, memo)
-            for submodule in self.module.modules():
-                submodule.__dict__.pop("forward", None)
-                submodule.__dict__.pop("_original_forward", None)
+            strip_instance_forwards(self.module)
         else:
             shares = False
             self.module = _fresh_copy(module, gather)
@@ -150,14 +142,6 @@ class HFGenerateBackend(GenerationBackend):
             param.copy_(weights[name])
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-
-    def matches(self, module: nn.Module) -> bool:
-        """Whether the generator's trainable weights equal ``module``'s (a check for tests and debugging)."""
-        params = dict(module.named_parameters())
-        with self._gather([params[name] for name in self.trainable_names]):
-            return all(
-                torch.equal(self._own[name].cpu(), params[name].detach().cpu()) for name in self.trainable_names
-            )
 
     def generate(self, prompt_ids, should_stop, seed):
         settings = self.settings
@@ -218,7 +202,7 @@ class HFGenerateBackend(GenerationBackend):
             ids, mask = ids.to(device), mask.to(device)
             recorder = (
                 GenerationLogpsRecorder(
-                    generation_target(module), settings.temperature, record_sampling=sampling_logps is not None
+                    peft_base_model(module), settings.temperature, record_sampling=sampling_logps is not None
                 )
                 if logps is not None
                 else None
@@ -277,7 +261,7 @@ def _fresh_copy(module: nn.Module, gather) -> nn.Module:
     """An unsharded copy of a sharded (ZeRO-3) causal LM or PEFT model: built from its config, loaded with its
     weights gathered one tensor at a time."""
     is_peft = hasattr(module, "get_base_model") and hasattr(module, "peft_config")
-    base = module.get_base_model() if is_peft else module
+    base = peft_base_model(module)
     config = copy.deepcopy(base.config)
     with _without_zero3_init():
         fresh = type(base)(config)

@@ -29,6 +29,7 @@ import uuid
 import torch
 from torch import nn
 
+from ...patches import strip_instance_forwards
 from ...types import GenerationStopped
 from ..backend import GenerationBackend
 from .common import (
@@ -90,8 +91,7 @@ class VLLMColocateBackend(GenerationBackend):
                     reason,
                 )
                 self._merge_copy = copy.deepcopy(module).to(device).eval()
-                for submodule in self._merge_copy.modules():
-                    submodule.__dict__.pop("forward", None)
+                strip_instance_forwards(self._merge_copy)
         trainable, staging = staging_buffers(module, device if device.type == "cuda" else torch.device("cpu"))
         super().__init__(trainable, staging, gather, device)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights move without copies
@@ -124,12 +124,12 @@ class VLLMColocateBackend(GenerationBackend):
         directory = os.path.join(self._adapter_root, f"{self._adapters_loaded}-v{version}")
         write_lora_adapter(directory, weights, self._peft_config, self._adapter_name)
         request = LoRARequest(f"a3po-{self._adapters_loaded}-v{version}", self._adapters_loaded, directory)
-        engine = self.llm.llm_engine
-        if not engine.add_lora(request):
+        llm_engine = self.llm.llm_engine
+        if not llm_engine.add_lora(request):
             raise RuntimeError(f"vLLM refused the LoRA adapter of version {version} ({directory}).")
         previous, self._lora_request = self._lora_request, request
         if previous is not None:
-            engine.remove_lora(previous.lora_int_id)
+            llm_engine.remove_lora(previous.lora_int_id)
             shutil.rmtree(previous.lora_path, ignore_errors=True)
 
     @torch.no_grad()
@@ -142,11 +142,11 @@ class VLLMColocateBackend(GenerationBackend):
         self._reload(merged_checkpoint_tensors(self._merge_copy))
 
     def generate(self, prompt_ids, should_stop, seed):
-        engine = self.llm.llm_engine
+        llm_engine = self.llm.llm_engine
         batch = uuid.uuid4().hex[:8]
         request_ids = [f"a3po-{batch}-{i}" for i in range(len(prompt_ids))]
         for request_id, ids, row_seed in zip(request_ids, prompt_ids, row_seeds(seed, len(prompt_ids))):
-            engine.add_request(
+            llm_engine.add_request(
                 request_id,
                 {"prompt_token_ids": list(ids)},
                 sampling_params(self.sampling, row_seed),
@@ -154,14 +154,14 @@ class VLLMColocateBackend(GenerationBackend):
             )
         finished = {}
         try:
-            while engine.has_unfinished_requests():
+            while llm_engine.has_unfinished_requests():
                 if should_stop is not None and should_stop():
                     raise GenerationStopped
-                for output in engine.step():
+                for output in llm_engine.step():
                     if output.finished:
                         finished[output.request_id] = output
         except BaseException:
-            engine.abort_request([r for r in request_ids if r not in finished])
+            llm_engine.abort_request([r for r in request_ids if r not in finished])
             raise
         return completions_from_outputs([finished[r] for r in request_ids], self.sampling.stop_token_ids)
 

@@ -1,4 +1,5 @@
-"""From a trainer's ``GRPOConfig`` vLLM fields to a vLLM backend, and the checks of what cannot be honoured.
+"""From a trainer's ``GRPOConfig`` vLLM fields to a vLLM backend (the checks of what cannot be honoured are in
+:mod:`a3po_trl.validation`).
 
 ``use_vllm=True`` keeps every GRPOConfig vLLM field's meaning where this trainer can honour it, and refuses the rest
 with the fix:
@@ -30,23 +31,10 @@ import tempfile
 
 import torch
 
-from .common import VLLMSamplingSettings, active_lora, base_checkpoint_tensors, unsupported_lora_reason
+from ...patches import peft_base_model
+from .common import VLLMSamplingSettings, base_checkpoint_tensors
 
 logger = logging.getLogger(__name__)
-
-def sampling_settings(trainer) -> VLLMSamplingSettings:
-    """GRPOTrainer's sampling fields as its vLLM path passes them."""
-    return VLLMSamplingSettings(
-        max_tokens=trainer.max_completion_length,
-        temperature=trainer.temperature,
-        top_p=trainer.top_p,
-        top_k=trainer.top_k or 0,
-        min_p=trainer.min_p,
-        repetition_penalty=trainer.repetition_penalty,
-        stop_token_ids=list(trainer.eos_token_ids),
-        generation_kwargs=dict(trainer.args.generation_kwargs or {}),
-    )
-
 
 def engine_dtype(module: torch.nn.Module) -> str:
     """The engine's dtype: the training weights' (vLLM's ``auto`` would turn an fp32 model into bf16 on CPU)."""
@@ -54,10 +42,10 @@ def engine_dtype(module: torch.nn.Module) -> str:
     return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "auto")
 
 
-def base_model_path(trainer) -> str:
-    """Where the engine loads the base model from: the model's local directory or hub id, else a copy saved now."""
-    module = trainer._unwrapped_model()
-    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+def base_model_path(module: torch.nn.Module) -> str:
+    """Where the engine loads the base model of the training ``module`` from: its local directory or hub id, else a
+    copy saved now."""
+    base = peft_base_model(module)
     name = str(getattr(base.config, "_name_or_path", "") or "")
     if os.path.isfile(os.path.join(name, "config.json")):
         return name  # a local checkpoint
@@ -72,28 +60,17 @@ def base_model_path(trainer) -> str:
     return directory
 
 
-def _serves_as_adapter(module) -> bool:
-    lora = active_lora(module)
-    return lora is not None and unsupported_lora_reason(lora[1]) is None
-
-
-def build_vllm_backend(trainer):
-    """The vLLM backend for ``trainer`` (``use_vllm=True``), colocate or server."""
-    args = trainer.args
-    module = trainer._unwrapped_model()
-    device = torch.device(args.generation_device) if args.generation_device else trainer.accelerator.device
-    processes = trainer.accelerator.num_processes
-    if processes > 1 and not (args.vllm_mode == "server" and _serves_as_adapter(module)):
-        raise NotImplementedError(
-            f"use_vllm=True with {processes} training processes works with vllm_mode='server' and a LoRA adapter "
-            "only (each process loads its own adapter per version into the server, so no process changes weights "
-            "another one generates with). An in-process engine (colocate) would join the training process group, "
-            "and a full-weight reload on a shared server would change the weights under the other processes' "
-            "requests. Use a LoRA peft_config with a server, one training process, or the default generate backend "
-            "(use_vllm=False) with DDP / DeepSpeed."
-        )
-    sampling = sampling_settings(trainer)
-    gather = trainer._zero3_gather()
+def build_vllm_backend(
+    module: torch.nn.Module,
+    args,
+    sampling: VLLMSamplingSettings,
+    device: torch.device,
+    gather,
+    process_index: int,
+    num_processes: int,
+):
+    """The vLLM backend (``use_vllm=True``), colocate or server, for the unwrapped training ``module`` with the
+    trainer's ``args`` (an :class:`~a3po_trl.AsyncA3POConfig`) and sampling settings."""
     if args.vllm_mode == "server":
         from .server import VLLMServerBackend
 
@@ -116,8 +93,15 @@ def build_vllm_backend(trainer):
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         model_impl=args.vllm_model_impl,
         trust_remote_code=args.trust_remote_code,
-        seed=args.seed + trainer.accelerator.process_index,
+        seed=args.seed + process_index,
         enforce_eager=device.type == "cpu",
         skip_tokenizer_init=True,  # prompts arrive as token ids, completions leave as token ids
     )
-    return VLLMColocateBackend(module, base_model_path(trainer), sampling, engine_kwargs, device=device, gather=gather)
+    if num_processes > 1:
+        # One engine per training process, as TRL's colocate mode runs them: the engine joins the process group the
+        # launcher set up (RANK / LOCAL_RANK / WORLD_SIZE), takes the process's own device, and builds its parallel
+        # groups over it while it starts (collectives in the main thread, every process together: backends are
+        # built in _start_engine, which every process reaches at the same step). Each group holds this process
+        # alone (tensor, pipeline and data parallel size 1), so generating never communicates with another process.
+        engine_kwargs["distributed_executor_backend"] = "external_launcher"
+    return VLLMColocateBackend(module, base_model_path(module), sampling, engine_kwargs, device=device, gather=gather)

@@ -1,0 +1,282 @@
+"""The one place that reads a trainer's internals to build what the generation thread needs.
+
+GRPOTrainer keeps what it has set up (the generation config, the tokenizer, tools and environments, reward functions,
+ZeRO-3 state) as attributes of the trainer. The generation thread must never read the trainer while it trains, so
+everything it needs is read here once, in the main thread, and copied into plain settings: the generation backend
+(Hugging Face ``generate`` or vLLM) and its sampling settings, the rollout settings (tokenizers of its own, reward
+functions, the seed of each batch's random stream) and the multi-turn settings.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+from trl.data_utils import is_conversational
+from trl.trainer.utils import add_fused_lm_head
+
+from .generation.backend import GenerationBackend
+from .generation.hf import HFGenerateBackend, HFGenerationSettings
+from .generation.hf.sampling import processed_sampling, records_logps, samples_with_own_stream, sampling_deviations
+from .generation.vllm.common import VLLMSamplingSettings
+from .patches import align_position_ids_with_generation, cast_lm_head_to_fp32, peft_base_model
+from .rollout import RolloutSettings, decode_completions
+from .rollout.multi_turn import AgentSettings
+
+logger = logging.getLogger(__name__)
+
+
+def uses_zero3(trainer) -> bool:
+    return bool(trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3)
+
+
+def zero3_gather(trainer):
+    """``GatheredParameters`` under ZeRO-3 (every process together, main thread), else None."""
+    if not uses_zero3(trainer):
+        return None
+    import deepspeed
+
+    def gather(params):
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+    return gather
+
+
+# ---- the generation backend ------------------------------------------------------------------------------------
+def build_backend(trainer) -> GenerationBackend:
+    """The generation backend: Hugging Face ``generate`` on the generator's own copy, or vLLM (``use_vllm``)."""
+    if trainer._use_vllm_backend:
+        return _build_vllm_backend(trainer)
+    return _build_hf_backend(trainer)
+
+
+def _build_hf_backend(trainer) -> HFGenerateBackend:
+    temperature = trainer.temperature
+    cast_fp32 = trainer.args.cast_lm_head_to_fp32
+
+    def patch(module):
+        # Re-apply to the copy what the trainer applied to the training model (HFGenerateBackend strips the instance
+        # patches, which close over the training module).
+        target = peft_base_model(module)
+        if cast_fp32:
+            cast_lm_head_to_fp32(target)
+        add_fused_lm_head(target, temperature=temperature, cast_lm_head_to_fp32=cast_fp32)
+        align_position_ids_with_generation(module)
+
+    device = trainer.args.generation_device or trainer.accelerator.device
+    return HFGenerateBackend(
+        trainer._unwrapped_model(),
+        hf_generation_settings(trainer),
+        device=device,
+        patch_fn=patch,
+        gather=zero3_gather(trainer),
+    )
+
+
+def effective_generation_config(trainer):
+    """The generation config ``generate`` will really use (TRL's, completed from the model's own), checked: its
+    temperature must be the one the training log-probs are scaled by; what makes it sample from another distribution
+    than ``softmax(logits / temperature)`` is reported (processed distributions the generator records are said once,
+    the rest is a warning)."""
+    target = peft_base_model(trainer._unwrapped_model())
+    config = copy.deepcopy(trainer.generation_config)
+    try:
+        if not trainer._use_vllm_backend:  # vLLM samples with TRL's settings only, not the model's generation_config
+            config, _ = target._prepare_generation_config(config)
+    except (AttributeError, TypeError):  # a transformers without the merge helper: use TRL's config as it is
+        pass
+    if config.temperature is not None and abs(config.temperature - trainer.temperature) > 1e-12:
+        # A conflicting temperature in generation_kwargs is refused by the config already (before loading).
+        in_kwargs = (trainer.args.generation_kwargs or {}).get("temperature")
+        source = "generation_kwargs" if in_kwargs == config.temperature else "the model's generation_config"
+        raise ValueError(
+            f"{source} sets temperature={config.temperature}, but the training log-probs are scaled by "
+            f"temperature={trainer.temperature}: behavior and training log-probs would score different "
+            f"distributions. Set temperature={config.temperature} in the config instead of in {source}."
+        )
+    # The generate backend records the log-probs of a processed sampling distribution (top-k/p, penalties, ...)
+    # under plain sampling; vLLM refuses such settings before any model loads (validation.check_vllm_sampling).
+    recorded = [] if trainer._use_vllm_backend or not samples_with_own_stream(config) else processed_sampling(config)
+    unrecorded = [d for d in sampling_deviations(config) if d not in recorded]
+    if unrecorded:
+        logger.warning(
+            "Sampling with %s draws tokens from a different distribution than the temperature-scaled one the "
+            "behavior and training log-probs are computed from, which biases the importance ratios (set in the "
+            "config, generation_kwargs, or the model's generation_config). Use plain sampling (do_sample=True, "
+            "num_beams=1) for unbiased A-3PO updates.",
+            ", ".join(unrecorded),
+        )
+    if recorded:
+        logger.info(
+            "Sampling with %s: the generator records the log-probs of the processed distribution it draws each "
+            "token from, which enter the behavior weight pi_prox / pi_sampling; the trust region stays anchored "
+            "at the untruncated policy (an on-policy token has ratio 1, as in GRPOTrainer).",
+            ", ".join(recorded),
+        )
+    return config
+
+
+def hf_generation_settings(trainer) -> HFGenerationSettings:
+    """How the ``generate`` backend samples, from the trainer's effective generation config."""
+    effective = trainer._generation_config_checked
+    own_stream = samples_with_own_stream(effective)
+    if not own_stream:
+        logger.warning(
+            "This generation config is not plain sampling (%s): the generator leaves token selection to "
+            "generate, which draws from the global RNG that the training thread also uses.",
+            ", ".join(sampling_deviations(effective)),
+        )
+    behavior_logps_source = trainer.args.behavior_logps_source
+    if behavior_logps_source == "generation" and not records_logps(effective):
+        behavior_logps_source = "forward"  # beams or assisted decoding: no one-forward-per-token to record from
+    processed = processed_sampling(effective) if own_stream else []
+    if processed and behavior_logps_source != "generation":
+        raise ValueError(
+            f"Sampling with {', '.join(processed)} draws tokens from a processed distribution, whose log-probs "
+            "the behavior weight needs; they are recorded only while generating, one forward per token "
+            f"(behavior_logps_source={trainer.args.behavior_logps_source!r} with this generation config computes "
+            "the untruncated ones only). Set behavior_logps_source='generation' without chunked prefill or "
+            "assisted decoding, or leave the sampling settings at their neutral values (top_p=1.0, top_k=0, "
+            "min_p=None, repetition_penalty=1.0)."
+        )
+    return HFGenerationSettings(
+        generation_config=copy.deepcopy(trainer.generation_config),
+        eos_token_ids=list(trainer.eos_token_ids),
+        pad_token_id=trainer._tokenizer.pad_token_id,
+        chunk_size=trainer.args.generation_batch_chunk_size,
+        autocast_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(trainer.accelerator.mixed_precision),
+        behavior_logps_source=behavior_logps_source,
+        temperature=trainer.temperature,
+        own_random_stream=own_stream,
+        record_sampling_logps=bool(processed),
+    )
+
+
+def vllm_sampling_settings(trainer) -> VLLMSamplingSettings:
+    """GRPOTrainer's sampling fields as its vLLM path passes them."""
+    return VLLMSamplingSettings(
+        max_tokens=trainer.max_completion_length,
+        temperature=trainer.temperature,
+        top_p=trainer.top_p,
+        top_k=trainer.top_k or 0,
+        min_p=trainer.min_p,
+        repetition_penalty=trainer.repetition_penalty,
+        stop_token_ids=list(trainer.eos_token_ids),
+        generation_kwargs=dict(trainer.args.generation_kwargs or {}),
+    )
+
+
+def _build_vllm_backend(trainer) -> GenerationBackend:
+    from .generation.vllm.setup import build_vllm_backend
+
+    args = trainer.args
+    return build_vllm_backend(
+        trainer._unwrapped_model(),
+        args,
+        vllm_sampling_settings(trainer),
+        device=torch.device(args.generation_device) if args.generation_device else trainer.accelerator.device,
+        gather=zero3_gather(trainer),
+        process_index=trainer.accelerator.process_index,
+        num_processes=trainer.accelerator.num_processes,
+    )
+
+
+# ---- the rollout ---------------------------------------------------------------------------------------------------
+def rollout_settings(trainer, batch_numbers=None) -> RolloutSettings:
+    """What the generation thread needs for its rollouts, copied. ``batch_numbers(index)`` is the global number of
+    batch ``index`` of the run (its position in the sampler's order over epochs), from which its sampling seed
+    derives."""
+    tokenizer = copy.deepcopy(trainer.processing_class)  # the thread gets its own tokenizers
+    chat_template, template_kwargs = trainer.chat_template, dict(trainer.chat_template_kwargs)
+
+    def render(prompts, tools):
+        return tokenizer.apply_chat_template(
+            conversation=prompts,
+            tools=tools or None,  # `or None`, as GRPOTrainer: some templates render tool boilerplate for []
+            chat_template=chat_template,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            **template_kwargs,
+        )["input_ids"]
+
+    def tokenize(prompts, tools):
+        if not is_conversational({"prompt": prompts[0]}):
+            return tokenizer(text=prompts)["input_ids"]
+        if tools is None or all(t is tools[0] for t in tools):
+            return render(prompts, tools[0] if tools else None)
+        return [render([prompt], prompt_tools)[0] for prompt, prompt_tools in zip(prompts, tools, strict=True)]
+
+    args = trainer.args
+    return RolloutSettings(
+        tokenize_prompts=tokenize,
+        decode=lambda ids, prompt_ids, prompts: decode_completions(tokenizer, ids, prompt_ids, prompts),
+        eos_token_ids=list(trainer.eos_token_ids),
+        pad_token_id=trainer._tokenizer.pad_token_id,
+        reward_funcs=list(trainer.reward_funcs),
+        reward_func_names=list(trainer.reward_func_names),
+        reward_processing_classes=[copy.deepcopy(c) for c in trainer.reward_processing_classes],
+        mask_truncated_completions=trainer.mask_truncated_completions,
+        pad_to_multiple_of=trainer.pad_to_multiple_of,
+        sampling_seeds=(
+            None
+            if batch_numbers is None
+            else sampling_seeds(args.seed, trainer.accelerator.process_index, batch_numbers)
+        ),
+        deferred_reward_columns=deferred_reward_columns(trainer),
+        async_loop=getattr(trainer, "async_loop", None),
+        chat_template_kwargs=template_kwargs,
+        agent=agent_settings(
+            trainer, tokenizer, args.refresh_weights_between_turns and not args.reproducible_generation
+        ),
+        rollout_func=trainer.rollout_func,
+        rollout_owner=trainer,
+    )
+
+
+def sampling_seeds(seed: int, process_index: int, batch_numbers):
+    """Seed of each batch's random stream: from ``seed``, the process and the batch's global number, so every process
+    and batch has its own stream and a resumed run regenerates a batch with the stream it had."""
+
+    def batch_seed(index: int) -> int:
+        sequence = np.random.SeedSequence([seed, process_index, batch_numbers(index)])
+        return int(sequence.generate_state(1, dtype=np.uint64)[0] >> 1)
+
+    return batch_seed
+
+
+def deferred_reward_columns(trainer) -> frozenset[int]:
+    """Reward models whose forward is a collective (partitioned by ZeRO-3) are scored in the main thread."""
+    if not uses_zero3(trainer):
+        return frozenset()
+    return frozenset(i for i, func in enumerate(trainer.reward_funcs) if isinstance(func, nn.Module))
+
+
+def agent_settings(trainer, tokenizer, refresh_between_turns: bool) -> AgentSettings | None:
+    """The multi-turn settings of a GRPOTrainer set up with ``tools`` or ``environment_factory`` (None otherwise);
+    ``tokenizer`` is the generation thread's own copy."""
+    factories = getattr(trainer, "environment_factories", None)
+    if not trainer.tools and factories is None:
+        return None
+    environment_tools = dict(trainer._env_tools) if factories is not None else {}
+    backend_limit = trainer.args.vllm_max_model_length if trainer.args.use_vllm else None
+    config = trainer._unwrapped_model().config
+    model_limit = getattr(getattr(config, "text_config", config), "max_position_embeddings", None)
+    return AgentSettings(
+        tokenizer=tokenizer,
+        chat_template=trainer.chat_template,
+        chat_template_kwargs=dict(trainer.chat_template_kwargs),
+        standalone_tools=list(trainer._standalone_tools),
+        environment_factories=factories,
+        environment_tools=environment_tools,
+        multi_environment=bool(getattr(trainer, "_multi_environment", False)),
+        max_tool_calling_iterations=trainer.max_tool_calling_iterations,
+        max_completion_length=trainer.max_completion_length,
+        max_model_len=backend_limit or model_limit or (1 << 62),
+        tool_call_timeout=trainer.args.tool_call_timeout,
+        refresh_between_turns=refresh_between_turns,
+        async_loop=getattr(trainer, "async_loop", None),
+    )

@@ -1,0 +1,112 @@
+"""Two training processes generating with vLLM (used by test_vllm.py): an in-process engine each (colocate), or one
+server shared by both.
+
+accelerate launch --config_file CONFIG tests/scripts/distributed_vllm.py OUT_DIR MODEL_DIR MODE [--url URL] [--lora]
+    [--fail-rank R]
+
+MODE is ``colocate`` or ``server``. ``--fail-rank R``: process R's engine raises on its second batch (a fault in one
+process). One JSON report per rank, written also when training fails.
+"""
+
+import json
+import os
+import sys
+import threading
+import traceback
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from helpers import distributed_script_config  # noqa: E402
+from peft import LoraConfig  # noqa: E402
+from tiny import length_reward, make_prompts, make_tokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from a3po_trl import AsyncA3POTrainer  # noqa: E402
+from a3po_trl import trainer as trainer_module  # noqa: E402
+
+
+def option(name, default=None):
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
+
+
+def main():
+    out_dir, model_dir, mode = sys.argv[1:4]
+    lora = "--lora" in sys.argv
+    fail_rank = option("--fail-rank")
+    settings = dict(max_steps=3, use_vllm=True, vllm_mode=mode, vllm_max_model_length=256, scale_rewards="batch")
+    if mode == "server":
+        settings["vllm_server_base_url"] = option("--url")
+    args = distributed_script_config(out_dir, **settings)
+    advantage_calls, local_advantages = [], []
+    group_advantages = trainer_module.group_advantages
+
+    def recording_group_advantages(rewards_per_func, *args, **kwargs):
+        result = group_advantages(rewards_per_func, *args, **kwargs)
+        advantage_calls.append({"rewards": rewards_per_func.tolist(), "advantages": result[0].tolist()})
+        return result
+
+    trainer_module.group_advantages = recording_group_advantages
+    peft_config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM") if lora else None
+    trainer = AsyncA3POTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_dir),
+        reward_funcs=[length_reward],
+        args=args,
+        train_dataset=make_prompts(32),
+        processing_class=make_tokenizer(),
+        peft_config=peft_config,
+    )
+    rank = trainer.accelerator.process_index
+    take = trainer._take_scored_batch
+
+    def recording_take():
+        data = take()
+        local_advantages.append(data["advantages"].tolist())
+        return data
+
+    trainer._take_scored_batch = recording_take
+    if fail_rank is not None and rank == int(fail_rank):
+        build = trainer._build_backend
+
+        def failing_backend():
+            backend = build()
+            generate, calls = backend.generate, []
+
+            def generate_then_fail(*args, **kwargs):
+                calls.append(1)
+                if len(calls) == 2:
+                    raise RuntimeError(f"engine failure injected in process {rank}")
+                return generate(*args, **kwargs)
+
+            backend.generate = generate_then_fail
+            return backend
+
+        trainer._build_backend = failing_backend
+    report = {"rank": rank, "world_size": trainer.accelerator.num_processes}
+    try:
+        trainer.train()
+    except BaseException as error:  # noqa: BLE001 - reported to the test
+        report["error"] = f"{type(error).__name__}: {error}"
+        report["traceback"] = traceback.format_exc()[-3000:]
+    history = trainer.state.log_history
+    engine = trainer.last_generation_engine
+    report.update(
+        global_step=trainer.state.global_step,
+        batches_consumed=engine.consumed if engine is not None else 0,
+        adapter=getattr(trainer._backend, "_adapter", None),
+        max_staleness_seen=max([h["a3po/staleness_max"] for h in history if "a3po/staleness_max" in h] or [-1]),
+        mismatch_max=[h["a3po/behavior_mismatch_max"] for h in history if "a3po/behavior_mismatch_max" in h],
+        generator_versions=[h["async/generator_version"] for h in history if "async/generator_version" in h],
+        advantage_calls=advantage_calls,
+        local_advantages=local_advantages,
+        threads_alive=sorted(t.name for t in threading.enumerate()),
+    )
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    if trainer._backend is not None:
+        trainer._backend.close()
+    if "error" in report:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
