@@ -1,7 +1,7 @@
 """Trainer-level helpers shared by the test files and the ``accelerate launch`` scripts in ``tests/scripts/``: the
-settings the trainer tests share, building an ``AsyncA3POTrainer`` on the tiny model, reading its log history,
-simulating a crash after a checkpoint. No test file imports another ``test_*.py`` file; what two of them use lives
-here or in ``tiny.py`` (as TRL keeps its shared test helpers in ``tests/testing_utils.py``).
+settings the trainer tests share, building an ``AsyncA3POTrainer`` on the tiny model, reading its log history and its
+generator's weights, simulating a crash after a checkpoint. No test file imports another ``test_*.py`` file; what
+two of them use lives here or in ``tiny.py`` (as TRL keeps its shared test helpers in ``tests/testing_utils.py``).
 
 A module of its own rather than more of ``tiny.py``: ``tiny.py`` holds *what* is trained (offline tokenizers, random
 models, prompts, rewards), imports nothing of ``a3po_trl`` and is imported by the benchmarks as well; this module
@@ -75,6 +75,15 @@ def first_batch_with_logps(trainer):
             trainer.model, input_ids, attention_mask, inputs["completion_ids"].size(1)
         )[0]
     return inputs, logps
+
+
+def generator_matches(backend, module) -> bool:
+    """Whether a ``generate`` backend's trainable weights equal ``module``'s (gathered under ZeRO-3)."""
+    params = dict(module.named_parameters())
+    with backend._gather([params[name] for name in backend.trainable_names]):
+        return all(
+            torch.equal(backend._own[name].cpu(), params[name].detach().cpu()) for name in backend.trainable_names
+        )
 
 
 class StopAt(TrainerCallback):

@@ -175,12 +175,3 @@ def scripted_generate(tokenizer, script):
         return torch.cat([input_ids, torch.tensor(rows, dtype=input_ids.dtype)], dim=1)
 
     return generate
-
-
-def generator_matches(backend, module) -> bool:
-    """Whether a ``generate`` backend's trainable weights equal ``module``'s (gathered under ZeRO-3)."""
-    params = dict(module.named_parameters())
-    with backend._gather([params[name] for name in backend.trainable_names]):
-        return all(
-            torch.equal(backend._own[name].cpu(), params[name].detach().cpu()) for name in backend.trainable_names
-        )

@@ -5,7 +5,8 @@ import math
 
 import pytest
 import torch
-from tiny import generator_matches, length_reward
+from helpers import generator_matches
+from tiny import length_reward
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer

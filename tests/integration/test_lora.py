@@ -4,9 +4,9 @@ import copy
 
 import pytest
 import torch
-from helpers import COMMON, logged, make_trainer
+from helpers import COMMON, generator_matches, logged, make_trainer
 from peft import LoraConfig, PeftModel, get_peft_model
-from tiny import generator_matches, make_model
+from tiny import make_model
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 

@@ -4,8 +4,8 @@ import threading
 
 import pytest
 import torch
-from helpers import COMMON, logged, make_trainer
-from tiny import generator_matches, length_reward, make_model, make_prompts
+from helpers import COMMON, generator_matches, logged, make_trainer
+from tiny import length_reward, make_model, make_prompts
 from transformers import TrainerCallback, TrainingArguments
 from trl import GRPOConfig
 

@@ -18,11 +18,10 @@ import threading
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from helpers import distributed_script_config  # noqa: E402
+from helpers import distributed_script_config, generator_matches  # noqa: E402
 from tiny import (  # noqa: E402
     CALL,
     DONE,
-    generator_matches,
     length_reward,
     make_model,
     make_prompts,
