@@ -17,6 +17,8 @@ LAYERS = {
     "a3po_trl.types": 0,
     "a3po_trl.padding": 0,
     "a3po_trl.functional": 1,
+    "a3po_trl.timeline": 1,  # the span recorder both threads write to
+    "a3po_trl.timeline_plot": 6,  # draws a trace (matplotlib, imported lazily)
     "a3po_trl.patches": 1,
     "a3po_trl.distributed": 1,
     "a3po_trl.generation": 2,  # the engine, the queue, the schedule, the backend interface
