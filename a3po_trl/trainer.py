@@ -11,6 +11,8 @@ What changes relative to `GRPOTrainer`, and where:
 - ``train`` starts the engine lazily and always stops and joins its thread.
 - Both threads record their spans on a timeline (:mod:`a3po_trl.timeline`), written to
   ``output_dir/timeline/trace-rank{k}.json`` at every checkpoint and when ``train`` ends; ``save_timeline`` draws it.
+- Checkpoints are written into a staging folder and renamed when whole, and ``resume_from_checkpoint=True`` resumes
+  from the newest complete one (:mod:`a3po_trl.checkpoints`).
 
 Evaluation is unchanged: it generates synchronously through GRPOTrainer's own path.
 """
@@ -27,11 +29,11 @@ import weakref
 import torch
 from accelerate.utils import gather_object
 from transformers import TrainerCallback
-from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict, use_adapter
 
 from .builders import build_backend, deferred_reward_columns, effective_generation_config, rollout_settings
+from .checkpoints import resolve_resume_checkpoint, save_checkpoint_atomically
 from .config import AsyncA3POConfig, trainer_config
 from .distributed import destroy_process_group_at_exit
 from .functional import group_advantages
@@ -140,6 +142,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         self._schedule_warned = False
         self._weight_sync_seconds = 0.0
         self._resume_checkpoint = None
+        self._checkpoint_staging_dir: str | None = None
         self.timeline = TimelineRecorder(enabled=args.timeline)
         """The spans of both threads (see :mod:`a3po_trl.timeline`), kept across `train()` calls."""
         self._step_timeline = TrainingStepTimeline(self.timeline)
@@ -230,12 +233,19 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
                     self.args.generation_stop_timeout,
                 )
 
+    def _get_output_dir(self, trial):
+        # While a checkpoint is written, transformers' save writes into its staging folder (see checkpoints.py).
+        return self._checkpoint_staging_dir or super()._get_output_dir(trial)
+
     def _save_checkpoint(self, model, trial):
-        with self.timeline.span(TRAINING_LANE, "save checkpoint", step=self.state.global_step):
-            super()._save_checkpoint(model, trial)
+        def write():
+            super(AsyncA3POTrainer, self)._save_checkpoint(model, trial)
             if self.args.reproducible_generation and self._backend is not None and self.args.should_save:
                 directory = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
                 save_kept_versions(self._backend, directory, before=self.state.global_step)
+
+        with self.timeline.span(TRAINING_LANE, "save checkpoint", step=self.state.global_step):
+            save_checkpoint_atomically(self, trial, write)
         self._write_trace()
 
     def _write_trace(self) -> str | None:
@@ -278,10 +288,12 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         self._run_start_step = self._step
         self._buffered_inputs = None
         self._schedule_warned = False
-        resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
-        if resume is True:
-            resume = get_last_checkpoint(self.args.output_dir)
-        self._resume_checkpoint = resume or None
+        resume = resolve_resume_checkpoint(self, kwargs.get("resume_from_checkpoint", args[0] if args else None))
+        if args:
+            args = (resume, *args[1:])
+        else:
+            kwargs["resume_from_checkpoint"] = resume
+        self._resume_checkpoint = resume if isinstance(resume, str) else None
         try:
             return super().train(*args, **kwargs)
         finally:

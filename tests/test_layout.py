@@ -29,6 +29,7 @@ LAYERS = {
     "a3po_trl.metrics": 6,
     "a3po_trl.losses": 6,
     "a3po_trl.validation": 6,
+    "a3po_trl.checkpoints": 7,  # atomic checkpoint writes and the resume decision; reads trainer internals
     "a3po_trl.builders": 7,  # the one module that reads trainer internals to build what the thread needs
     "a3po_trl.trainer": 8,
     "a3po_trl.__init__": 9,
