@@ -1,11 +1,13 @@
 """Checkpoints that survive an interruption: written whole or not at all, resumed from the newest complete one."""
 
+import json
 import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from types import SimpleNamespace
 
@@ -147,3 +149,21 @@ def test_sigterm_while_a_checkpoint_is_written_leaves_the_previous_one_newest(to
     assert checkpoint_problems(str(out / "checkpoint-2")) == []
     assert not (out / "tmp-checkpoint-2").exists()  # the interrupted write is cleaned up by the next save
     shutil.rmtree(out)
+
+
+@pytest.mark.slow
+def test_every_process_resumes_from_the_checkpoint_the_main_process_chose(tmp_path):
+    """Two processes (DDP on CPU) whose views of the disk differ: the main process decides for both."""
+    from test_distributed import COMMON, CONFIGS
+
+    config = tmp_path / "ddp.yaml"
+    config.write_text(COMMON.format(port=29580) + textwrap.dedent(CONFIGS["ddp"]))
+    out = tmp_path / "out"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    script = os.path.join(ROOT, "tests", "scripts", "resume_agreement.py")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), script, str(out)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for report in reports:
+        assert report["resumed_from"] == "checkpoint-1" and report["started_at"] == 1 and report["global_step"] == 3
