@@ -153,8 +153,9 @@ class TimelineRecorder:
             return None
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         temporary = f"{path}.tmp"
+        text = json.dumps(self.chrome_trace(process_index), separators=(",", ":"))  # one shot: the C encoder
         with open(temporary, "w") as file:
-            json.dump(self.chrome_trace(process_index), file, separators=(",", ":"))
+            file.write(text)
         os.replace(temporary, path)
         return path
 
