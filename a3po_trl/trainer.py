@@ -9,6 +9,10 @@ What changes relative to `GRPOTrainer`, and where:
   and the decoupled form of the configured loss (:mod:`a3po_trl.losses`).
 - A callback publishes the weights to the generator after every optimizer step.
 - ``train`` starts the engine lazily and always stops and joins its thread.
+- Both threads record their spans on a timeline (:mod:`a3po_trl.timeline`), written to
+  ``output_dir/timeline/trace-rank{k}.json`` at every checkpoint and when ``train`` ends; ``save_timeline`` draws it.
+- Checkpoints are written into a staging folder and renamed when whole, and ``resume_from_checkpoint=True`` resumes
+  from the newest complete one (:mod:`a3po_trl.checkpoints`).
 
 Evaluation is unchanged: it generates synchronously through GRPOTrainer's own path.
 """
@@ -25,11 +29,11 @@ import weakref
 import torch
 from accelerate.utils import gather_object
 from transformers import TrainerCallback
-from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict, use_adapter
 
 from .builders import build_backend, deferred_reward_columns, effective_generation_config, rollout_settings
+from .checkpoints import resolve_resume_checkpoint, save_checkpoint_atomically
 from .config import AsyncA3POConfig, trainer_config
 from .distributed import destroy_process_group_at_exit
 from .functional import group_advantages
@@ -43,6 +47,7 @@ from .rollout import run_rollout
 from .rollout.custom import generate_completions
 from .rollout.prompt_batches import repeated_prompt_batches
 from .rollout.scoring import score_with_reward_model, warn_about_unscorable_rows
+from .timeline import TRAINING_LANE, TimelineRecorder, TrainingStepTimeline, trace_path
 from .validation import check_supported, check_train_dataset, check_trainer
 
 logger = logging.getLogger(__name__)
@@ -137,6 +142,11 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         self._schedule_warned = False
         self._weight_sync_seconds = 0.0
         self._resume_checkpoint = None
+        self._checkpoint_staging_dir: str | None = None
+        self.timeline = TimelineRecorder(enabled=args.timeline)
+        """The spans of both threads (see :mod:`a3po_trl.timeline`), kept across `train()` calls."""
+        self._step_timeline = TrainingStepTimeline(self.timeline)
+        self.add_callback(self._step_timeline)  # before the publication callback: a step's span ends before it
         self.add_callback(_PublishWeightsCallback(self))
 
     # ---- generation engine -----------------------------------------------------------------------------------------
@@ -208,6 +218,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             num_threads=args.generation_num_threads,
             poll_interval=args.generation_poll_interval,
             exact_versions=args.reproducible_generation,
+            timeline=self.timeline,
         )
         self.last_generation_engine = self._engine
         self._engine.start(self._unwrapped_model(), start_version, self._state_snapshot(), earlier_versions=earlier)
@@ -222,11 +233,39 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
                     self.args.generation_stop_timeout,
                 )
 
+    def _get_output_dir(self, trial):
+        # While a checkpoint is written, transformers' save writes into its staging folder (see checkpoints.py).
+        return self._checkpoint_staging_dir or super()._get_output_dir(trial)
+
     def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        if self.args.reproducible_generation and self._backend is not None and self.args.should_save:
-            directory = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-            save_kept_versions(self._backend, directory, before=self.state.global_step)
+        def write():
+            super(AsyncA3POTrainer, self)._save_checkpoint(model, trial)
+            if self.args.reproducible_generation and self._backend is not None and self.args.should_save:
+                directory = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+                save_kept_versions(self._backend, directory, before=self.state.global_step)
+
+        with self.timeline.span(TRAINING_LANE, "save checkpoint", step=self.state.global_step):
+            save_checkpoint_atomically(self, trial, write)
+        self._write_trace()
+
+    def _write_trace(self) -> str | None:
+        """Write this process's timeline to ``output_dir/timeline/trace-rank{k}.json`` (when ``timeline`` is on)."""
+        return self.timeline.write_chrome_trace(
+            trace_path(self.args.output_dir, self.accelerator.process_index), self.accelerator.process_index
+        )
+
+    def save_timeline(self, path: str | None = None, last_steps: int = 20) -> str:
+        """Draw the last ``last_steps`` optimizer steps of the timeline as a PNG (needs matplotlib: the ``plots``
+        extra): one lane per thread, generation batches and the steps that train on them coloured by the version
+        that generated them, waits hatched, and the end time a perfectly pipelined run would have reached. Returns
+        the path, ``output_dir/timeline.png`` by default."""
+        from .timeline_plot import draw_timeline
+
+        if not self.timeline.enabled:
+            raise ValueError("The timeline is off (timeline=False): set timeline=True in the config to record it.")
+        path = path or os.path.join(self.args.output_dir, "timeline.png")
+        trace = self.timeline.chrome_trace(self.accelerator.process_index)
+        return draw_timeline(trace["traceEvents"], path, last_steps=last_steps)
 
     def _state_snapshot(self):
         """A copy of the trainer state as it is now, for reward functions running beside the training thread."""
@@ -237,7 +276,9 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
     def _publish_weights(self):
         if self._engine is not None:
             model = self._unwrapped_model()
-            self._weight_sync_seconds += self._engine.publish(model, self.state.global_step, self._state_snapshot())
+            with self.timeline.span(TRAINING_LANE, "publish weights", version=self.state.global_step):
+                seconds = self._engine.publish(model, self.state.global_step, self._state_snapshot())
+            self._weight_sync_seconds += seconds
 
     def train(self, *args, **kwargs):
         previous_threads = torch.get_num_threads()
@@ -247,15 +288,18 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         self._run_start_step = self._step
         self._buffered_inputs = None
         self._schedule_warned = False
-        resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
-        if resume is True:
-            resume = get_last_checkpoint(self.args.output_dir)
-        self._resume_checkpoint = resume or None
+        resume = resolve_resume_checkpoint(self, kwargs.get("resume_from_checkpoint", args[0] if args else None))
+        if args:
+            args = (resume, *args[1:])
+        else:
+            kwargs["resume_from_checkpoint"] = resume
+        self._resume_checkpoint = resume if isinstance(resume, str) else None
         try:
             return super().train(*args, **kwargs)
         finally:
             self._stop_engine()
             torch.set_num_threads(previous_threads)
+            self._write_trace()
 
     # ---- batches -------------------------------------------------------------------------------------------------
     def _prepare_inputs(self, generation_batch):
@@ -280,8 +324,11 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             )
         position = planned.position % (self.args.steps_per_generation * self.num_iterations)
         if position == 0 or self._buffered_inputs is None:
-            batch = shuffle_sequence_dict(self._take_scored_batch())
+            with self.timeline.span(TRAINING_LANE, "take batch") as span_args:
+                batch = shuffle_sequence_dict(self._take_scored_batch())
+                span_args.update(self._step_timeline.batch)
             self._buffered_inputs = split_tensor_dict(batch, self.args.steps_per_generation)
+        self._step_timeline.inputs_ready()
         return self._buffered_inputs[position % self.args.steps_per_generation]
 
     def _take_scored_batch(self) -> dict:
@@ -289,6 +336,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         count, reward models partitioned by ZeRO-3) or the training weights (recomputed and reference log-probs)."""
         device = self.accelerator.device
         scored, waited = self._engine.get()
+        self._step_timeline.batch_taken(scored.index, scored.version)
         data = {k: v.to(device) for k, v in scored.tensors.items()}
         is_truncated, completion_lengths = scored.is_truncated.to(device), scored.completion_lengths.to(device)
         batch_size = data["completion_ids"].size(0)
@@ -341,9 +389,14 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
                 )[0]
             data["recompute_version"] = torch.full((batch_size,), self.state.global_step, device=device)
             self._sync_if_cuda()
-            self.add_proximal_seconds(time.perf_counter() - start)
+            end = time.perf_counter()
+            self.add_proximal_seconds(end - start)
+            self.timeline.record(TRAINING_LANE, "recompute forward", start, end, {"batch": scored.index})
         if self.beta != 0.0:
-            data["ref_per_token_logps"] = self._reference_logps(prompt_completion_ids, attention_mask, logits_to_keep)
+            with self.timeline.span(TRAINING_LANE, "reference forward", batch=scored.index):
+                data["ref_per_token_logps"] = self._reference_logps(
+                    prompt_completion_ids, attention_mask, logits_to_keep
+                )
 
         values, tokens_seen = batch_metrics(
             self.accelerator,

@@ -23,7 +23,8 @@ YAML file can hold them too (`--config recipe.yaml`). Examples:
 Rewards: `correctness_reward` (1.0 for the right final number) and `format_reward` (0.5 for a marked final answer),
 weighted 1.0 and 0.0 by default (the format reward is logged, not trained on; `--reward_weights 1.0 0.1` adds it).
 Output directory: the trained model or LoRA adapter with its tokenizer, `metrics.jsonl` (every log entry and the
-accuracy evaluations), `training.png` (reward, accuracy, staleness, step time) and `results.json` (summary).
+accuracy evaluations), `training.png` (reward, accuracy, staleness, step time), `timeline.png` (the last steps of the
+two threads' timeline; the full trace is in `timeline/trace-rank*.json`) and `results.json` (summary).
 """
 
 from __future__ import annotations
@@ -78,6 +79,10 @@ class DemoArguments:
     accuracy_after: bool = field(default=True, metadata={"help": "Evaluate held-out accuracy after training."})
     metrics_file: str = field(default="metrics.jsonl", metadata={"help": "JSONL metrics file in output_dir."})
     plot_file: str = field(default="training.png", metadata={"help": "PNG plot file in output_dir."})
+    timeline_file: str = field(
+        default="timeline.png", metadata={"help": "PNG of the last steps of the pipeline's timeline, in output_dir."}
+    )
+    timeline_steps: int = field(default=20, metadata={"help": "Optimizer steps drawn in the timeline PNG."})
 
 
 def _flag_is_set(argv: list[str], name: str) -> bool:
@@ -281,6 +286,9 @@ def main(demo_args: DemoArguments, training_args: AsyncA3POConfig, model_args: M
             evaluations, trainer, training_args, model_args, demo_args, started, started_cpu, train_seconds
         )
         summary["plot"], summary["model_dir"], summary["metrics"] = str(plot_path), str(output_dir), str(metrics_path)
+        if training_args.timeline:
+            timeline_path = output_dir / demo_args.timeline_file
+            summary["timeline"] = trainer.save_timeline(str(timeline_path), last_steps=demo_args.timeline_steps)
         (output_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
         _print_summary(summary)
     accelerator.wait_for_everyone()

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..timeline import record_in_batch_span
 from ..types import GeneratedCompletions
 
 
@@ -177,9 +178,14 @@ class GenerationBackend(ABC):
         ``async/behavior_logps_time``)."""
         start = time.perf_counter()
         generated = self.generate(prompt_ids, should_stop, seed)
+        end = time.perf_counter()
         forward = generated.timings.get("behavior_logps", 0.0)
-        timings["generation"] = timings.get("generation", 0.0) + time.perf_counter() - start - forward
+        timings["generation"] = timings.get("generation", 0.0) + end - start - forward
         timings["behavior_logps"] = timings.get("behavior_logps", 0.0) + forward
+        # On the timeline, a separate log-prob forward is drawn as the end of the call (it runs after generating)
+        record_in_batch_span("generation", start, end - forward, sequences=len(prompt_ids))
+        if forward > 0:
+            record_in_batch_span("behavior log-probs", end - forward, end)
         return generated
 
     def close(self) -> None:

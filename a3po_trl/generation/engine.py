@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..timeline import GENERATION_LANE, TRAINING_LANE, TimelineRecorder, batch_span, record_in_batch_span
 from ..types import GenerationStopped, ScoredBatch
 from .backend import GenerationBackend
 from .queue import VersionedSampleQueue
@@ -46,6 +47,8 @@ class GenerationEngine:
             versions a later batch may still need) instead of the newest one: which weights generate a batch then no
             longer depends on timing.
         poll_interval: seconds between health checks while waiting.
+        timeline: where the engine records its spans (each batch, its waits and weight loads, and the trainer's
+            wait for it); backends and rollouts record their parts inside the batch's span. ``None``: not recorded.
     """
 
     def __init__(
@@ -60,6 +63,7 @@ class GenerationEngine:
         num_threads: int | None = None,
         poll_interval: float = 0.1,
         exact_versions: bool = False,
+        timeline: TimelineRecorder | None = None,
     ):
         self.backend = backend
         self.prompt_batches = prompt_batches
@@ -71,6 +75,7 @@ class GenerationEngine:
         self.num_threads = num_threads
         self.poll_interval = poll_interval
         self.exact_versions = exact_versions
+        self.timeline = timeline if timeline is not None else TimelineRecorder(enabled=False)
         backend.keep_versions = exact_versions
         self.stop_event = threading.Event()
         self._version_cond = threading.Condition()
@@ -136,11 +141,19 @@ class GenerationEngine:
         if batch.index != self.consumed:
             raise RuntimeError(f"Generation batches out of order: expected {self.consumed}, got {batch.index}.")
         self.consumed += 1
+        end = time.perf_counter()
+        self.timeline.record(
+            TRAINING_LANE,
+            "wait for batch",
+            start,
+            end,
+            {"batch": batch.index, "version": batch.version, "staleness": self._trainer_version - batch.version},
+        )
         if self.exact_versions:
             # versions older than this batch's: no batch still to be trained (or regenerated after a resume from a
             # checkpoint taken while this one trains) is generated with them
             self.backend.release_versions_before(self.min_version(batch.index))
-        return batch, time.perf_counter() - start
+        return batch, end - start
 
     def stop(self, timeout: float = 30.0) -> bool:
         """Ask the thread to stop (ending a running ``generate`` early) and join it.
@@ -185,20 +198,26 @@ class GenerationEngine:
 
     def _produce(self, index: int) -> ScoredBatch:
         needed = self.min_version(index)
-        waited, published = self._wait_for_version(needed, index)
-        start = time.perf_counter()
-        self.backend.refresh(exact=needed if self.exact_versions and published else None)
-        loaded = time.perf_counter() - start
-        version = self.backend.version
-        rows = next(self.prompt_batches)
-        start = time.perf_counter()
-        batch = self.rollout(self.backend, rows, self._should_stop, self.backend.trainer_state, index)
-        batch.index = index
-        batch.version = version
-        batch.timings["generator_wait_for_staleness_bound"] = waited
-        batch.timings["weight_load"] = loaded + batch.timings.get("weight_load", 0.0)  # + between turns
-        batch.timings["rollout"] = time.perf_counter() - start
-        self.produced += 1
+        with batch_span(self.timeline, GENERATION_LANE, batch=index) as span_args:
+            wait_start = time.perf_counter()
+            waited, published = self._wait_for_version(needed, index)
+            start = time.perf_counter()
+            self.backend.refresh(exact=needed if self.exact_versions and published else None)
+            loaded = time.perf_counter() - start
+            version = self.backend.version
+            # staleness of a generation span: versions published since the one generating (how far behind it is)
+            span_args.update(version=version, staleness=self._trainer_version - version)
+            record_in_batch_span("wait for staleness bound", wait_start, wait_start + waited, needed_version=needed)
+            record_in_batch_span("weight load", start, start + loaded)
+            rows = next(self.prompt_batches)
+            start = time.perf_counter()
+            batch = self.rollout(self.backend, rows, self._should_stop, self.backend.trainer_state, index)
+            batch.index = index
+            batch.version = version
+            batch.timings["generator_wait_for_staleness_bound"] = waited
+            batch.timings["weight_load"] = loaded + batch.timings.get("weight_load", 0.0)  # + between turns
+            batch.timings["rollout"] = time.perf_counter() - start
+            self.produced += 1
         return batch
 
     def _run(self) -> None:
@@ -218,7 +237,15 @@ class GenerationEngine:
                     batch = self._produce(index)
                     if stream is not None:
                         stream.synchronize()
+                    start = time.perf_counter()
                     self.queue.put(batch, self._should_stop, self.poll_interval)
+                    self.timeline.record(
+                        GENERATION_LANE,
+                        "wait for queue room",
+                        start,
+                        time.perf_counter(),
+                        {"batch": index, "version": batch.version},
+                    )
         except GenerationStopped:
             return
         except BaseException as error:  # noqa: BLE001 - re-raised in the main thread

@@ -33,6 +33,7 @@ from typing import Any
 from trl import GRPOTrainer
 
 from ..generation.backend import GenerationBackend
+from ..timeline import record_in_batch_span
 from ..types import GenerationStopped
 
 logger = logging.getLogger(__name__)
@@ -346,7 +347,9 @@ def generate_with_tools(
         if turn > 0 and agent.refresh_between_turns:
             start = time.perf_counter()
             backend.refresh()
-            timings["weight_load"] += time.perf_counter() - start
+            end = time.perf_counter()
+            timings["weight_load"] += end - start
+            record_in_batch_span("weight load between turns", start, end, turn=turn, loaded_version=backend.version)
         version = backend.version
         generated = backend.timed_generate(ids_list, should_stop, turn_seed(seed, turn), timings)
         logps = [[float(x) for x in row.tolist()] for row in generated.logps]
@@ -382,6 +385,7 @@ def generate_with_tools(
     while active and turn < agent.max_tool_calling_iterations:
         turn += 1
         extended = {}
+        tools_start, calls_before = time.perf_counter(), caller.calls
         for i in active:
             before = len(completions[i])
             results = caller.run(calls[i], *functions[i])
@@ -396,6 +400,8 @@ def generate_with_tools(
                 del completions[i][before:]
                 continue
             extended[i] = ids
+        turn_calls = caller.calls - calls_before
+        record_in_batch_span("tool calls", tools_start, time.perf_counter(), turn=turn, calls=turn_calls)
         active = list(extended)
         if not active:
             break

@@ -18,6 +18,7 @@ from trl.data_utils import is_conversational
 
 from ..generation.backend import GenerationBackend
 from ..padding import pad_rows, pad_values
+from ..timeline import record_in_batch_span
 from ..types import ScoredBatch, ToolStats
 from .custom import run_rollout_func
 from .multi_turn import (
@@ -166,7 +167,9 @@ def run_rollout(
         async_loop=settings.async_loop,
         chat_template_kwargs=settings.chat_template_kwargs,
     )
-    timings["rewards"] = time.perf_counter() - start
+    end = time.perf_counter()
+    timings["rewards"] = end - start
+    record_in_batch_span("rewards", start, end)
     return ScoredBatch(
         index=-1,
         version=-1,

@@ -62,7 +62,10 @@ def _check_outputs(out: Path, steps: int = STEPS) -> dict:
     assert evaluations["before"]["step"] == 0 and evaluations["after"]["step"] == steps
     assert all(r["count"] == 4 for r in evaluations.values())
     assert (out / "training.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "timeline.png").read_bytes()[:4] == b"\x89PNG"
     summary = json.loads((out / "results.json").read_text())
+    for rank in range(summary["num_processes"]):  # every process writes its own trace
+        assert json.loads((out / "timeline" / f"trace-rank{rank}.json").read_text())["traceEvents"]
     assert summary["global_step"] == steps
     assert {"gain", "stderr", "p_value"} <= set(summary["paired_test"])
     AutoTokenizer.from_pretrained(out)

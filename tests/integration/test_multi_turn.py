@@ -396,6 +396,13 @@ def test_a_weight_update_during_a_tool_call_stales_the_trajectory_token_by_token
     assert logged(trainer, "a3po/multi_version_trajectories_frac") == [0.0, 1.0]
     fractions = logged(trainer, "a3po/staleness_frac_1")
     assert 0.0 < fractions[1] < 1.0  # step 1 trains turn-1 tokens at staleness 1 and turn-2 tokens at staleness 0
+    # the timeline shows batch 1's tool calls, then the load of version 1 between its turns, inside the batch's span
+    spans = [s for s in trainer.timeline.spans() if s.lane == "generation" and s.args.get("batch") == 1]
+    batch = next(s for s in spans if s.name == "batch")
+    tools = next(s for s in spans if s.name == "tool calls")
+    load = next(s for s in spans if s.name == "weight load between turns")
+    assert tools.args["calls"] == 3 and load.args["loaded_version"] == 1 and batch.args["version"] == 0
+    assert batch.start <= tools.start <= tools.end <= load.start <= load.end <= batch.end
 
 
 def test_environments_own_the_reward_and_see_their_tool_calls(tool_tokenizer, tmp_path):

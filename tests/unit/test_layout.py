@@ -17,6 +17,8 @@ LAYERS = {
     "a3po_trl.types": 0,
     "a3po_trl.padding": 0,
     "a3po_trl.functional": 1,
+    "a3po_trl.timeline": 1,  # the span recorder both threads write to
+    "a3po_trl.timeline_plot": 6,  # draws a trace (matplotlib, imported lazily)
     "a3po_trl.patches": 1,
     "a3po_trl.distributed": 1,
     "a3po_trl.generation": 2,  # the engine, the queue, the schedule, the backend interface
@@ -27,6 +29,7 @@ LAYERS = {
     "a3po_trl.metrics": 6,
     "a3po_trl.losses": 6,
     "a3po_trl.validation": 6,
+    "a3po_trl.checkpoints": 7,  # atomic checkpoint writes and the resume decision; reads trainer internals
     "a3po_trl.builders": 7,  # the one module that reads trainer internals to build what the thread needs
     "a3po_trl.trainer": 8,
     "a3po_trl.__init__": 9,

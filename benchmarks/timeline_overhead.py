@@ -1,0 +1,116 @@
+"""What recording the timeline costs: per span, per optimizer step, and end to end, timeline on vs off.
+
+    python benchmarks/timeline_overhead.py [--steps 12] [--pairs 3] [--out benchmarks/results/timeline_overhead.json]
+
+Three measurements, reported, never asserted:
+
+- per span: ``TimelineRecorder.record`` (with its lock and the deque append), median over 200,000 calls, on and off;
+- spans per optimizer step, counted in a real run of the benchmark's quick shape (tiny random Llama, 8 completions of
+  up to 16 tokens per step, ``max_staleness=1``), and the time a full trace (50,000 spans) takes to write;
+- end to end: the same run with ``timeline=True`` and ``timeline=False``, alternated ``--pairs`` times, median step
+  time (the first two steps left out). On a shared 2-core machine this difference is within the noise; the first two
+  figures give the bound: spans per step x cost per span / step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+
+def per_span_seconds(enabled: bool, calls: int = 200_000) -> float:
+    from a3po_trl.timeline import TRAINING_LANE, TimelineRecorder
+
+    recorder = TimelineRecorder(enabled=enabled)
+    samples = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for i in range(calls // 5):
+            recorder.record(TRAINING_LANE, "step", 0.0, 1.0, {"step": i, "version": i, "staleness": 1})
+        samples.append((time.perf_counter() - start) / (calls // 5))
+    return statistics.median(samples)
+
+
+def trace_write_seconds() -> float:
+    from a3po_trl.timeline import GENERATION_LANE, MAX_SPANS, TimelineRecorder
+
+    recorder = TimelineRecorder()
+    for i in range(MAX_SPANS):
+        recorder.record(GENERATION_LANE, "generation", i, i + 0.5, {"batch": i, "version": i, "staleness": 1})
+    with tempfile.TemporaryDirectory() as folder:
+        start = time.perf_counter()
+        recorder.write_chrome_trace(os.path.join(folder, "trace.json"))
+        return time.perf_counter() - start
+
+
+def run(timeline: bool, steps: int) -> tuple[float, int]:
+    """Median step time (s) of one run, and the spans it recorded."""
+    from test_trainer import make_trainer
+    from tiny import make_tokenizer
+
+    with tempfile.TemporaryDirectory() as folder:
+        trainer = make_trainer(
+            make_tokenizer(),
+            __import__("pathlib").Path(folder),
+            max_steps=steps,
+            max_staleness=1,
+            per_device_train_batch_size=8,
+            max_completion_length=16,
+            timeline=timeline,
+            disable_tqdm=True,
+        )
+        trainer.train()
+        times = [h["step_time"] for h in trainer.state.log_history if "step_time" in h][2:]
+        return statistics.median(times), len(trainer.timeline.spans())
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--out", default=None, help="JSON file for the results")
+    options = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import logging
+
+    logging.disable(logging.WARNING)
+    results = {
+        "load_average_before": os.getloadavg(),
+        "record_seconds_on": per_span_seconds(True),
+        "record_seconds_off": per_span_seconds(False),
+        "trace_write_seconds_50k_spans": trace_write_seconds(),
+    }
+    on, off, spans = [], [], 0
+    for _ in range(options.pairs):
+        step_time, spans = run(True, options.steps)
+        on.append(step_time)
+        off.append(run(False, options.steps)[0])
+    results.update(
+        spans_per_step=spans / options.steps,
+        step_time_on=statistics.median(on),
+        step_time_off=statistics.median(off),
+        step_times_on=on,
+        step_times_off=off,
+        load_average_after=os.getloadavg(),
+    )
+    results["recording_seconds_per_step"] = results["spans_per_step"] * results["record_seconds_on"]
+    results["recording_fraction_of_step"] = results["recording_seconds_per_step"] / results["step_time_off"]
+    text = json.dumps(results, indent=2)
+    print(text)
+    if options.out:
+        with open(options.out, "w") as file:
+            file.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""Checkpoints that survive an interruption: written whole or not at all, resumed from the newest complete one."""
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from test_trainer import make_trainer
+from transformers import TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
+
+from a3po_trl.checkpoints import checkpoint_problems, newest_complete_checkpoint, resolve_resume_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHECKPOINTS = dict(save_strategy="steps", save_steps=1)
+
+
+def _truncate(path, keep=0.5):
+    size = os.path.getsize(path)
+    with open(path, "r+b") as file:
+        file.truncate(int(size * keep))
+
+
+def _break(checkpoint):
+    """What a Ctrl-C during an in-place write leaves: a truncated optimizer state and no trainer state."""
+    _truncate(os.path.join(checkpoint, "optimizer.pt"))
+    os.remove(os.path.join(checkpoint, "trainer_state.json"))
+
+
+def test_a_checkpoint_is_complete_only_if_its_state_and_files_are_whole(tmp_path):
+    folder = tmp_path / "checkpoint-1"
+    folder.mkdir()
+    (folder / "trainer_state.json").write_text("{}")
+    torch.save({"state": torch.ones(1000)}, folder / "optimizer.pt")
+    save_file({"w": torch.ones(1000)}, str(folder / "model.safetensors"))
+    (folder / "legacy.bin").write_bytes(b"\x80\x02legacy pickle")  # not a zip: cannot be checked, accepted
+    assert checkpoint_problems(str(folder)) == []
+
+    _truncate(folder / "model.safetensors", 0.9)
+    assert checkpoint_problems(str(folder)) == [
+        "model.safetensors is truncated (its tensors end past the end of the file)"
+    ]
+    save_file({"w": torch.ones(1000)}, str(folder / "model.safetensors"))
+    _truncate(folder / "optimizer.pt", 0.99)
+    (folder / "trainer_state.json").write_text('{"global_step": ')
+    assert checkpoint_problems(str(folder)) == [
+        "trainer_state.json is not valid JSON",
+        "optimizer.pt is truncated (no zip directory at its end)",
+    ]
+    os.remove(folder / "trainer_state.json")
+    assert checkpoint_problems(str(folder))[0] == "trainer_state.json is missing"
+
+
+def _one_process_trainer(output_dir):
+    accelerator = SimpleNamespace(is_main_process=True, num_processes=1)
+    return SimpleNamespace(accelerator=accelerator, args=SimpleNamespace(output_dir=str(output_dir)))
+
+
+def test_resume_true_with_only_interrupted_writes_starts_from_the_beginning(tmp_path, caplog):
+    (tmp_path / "tmp-checkpoint-1" / "checkpoint-1").mkdir(parents=True)  # the first save was interrupted
+    (tmp_path / "checkpoint-2").mkdir()  # an in-place write that never got its trainer state
+    with caplog.at_level(logging.WARNING, logger="a3po_trl.checkpoints"):
+        assert resolve_resume_checkpoint(_one_process_trainer(tmp_path), True) is None
+    assert "skips" in caplog.text and "checkpoint-2" in caplog.text and "starts from the beginning" in caplog.text
+    # nothing at all: left to transformers, which says there is no checkpoint
+    assert resolve_resume_checkpoint(_one_process_trainer(tmp_path / "empty"), True) is True
+
+
+class _RecordResumedStep(TrainerCallback):
+    def __init__(self):
+        self.started_at = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started_at = state.global_step
+
+
+def test_resume_true_skips_a_partial_newest_checkpoint(tokenizer, tmp_path, caplog):
+    first = make_trainer(tokenizer, tmp_path, max_steps=2, **CHECKPOINTS)
+    first.train()
+    out = tmp_path / "out"
+    assert sorted(p for p in os.listdir(out) if "checkpoint" in p) == ["checkpoint-1", "checkpoint-2"]
+    _break(str(out / "checkpoint-2"))
+    assert get_last_checkpoint(str(out)) == str(out / "checkpoint-2")  # what transformers alone would resume from
+
+    with pytest.raises(ValueError, match=r"checkpoint-2.*incomplete.*optimizer.pt is truncated.*checkpoint-1"):
+        make_trainer(tokenizer, tmp_path, max_steps=3, **CHECKPOINTS).train(
+            resume_from_checkpoint=str(out / "checkpoint-2")
+        )
+
+    resumed = make_trainer(tokenizer, tmp_path, max_steps=3, **CHECKPOINTS)
+    recorder = _RecordResumedStep()
+    resumed.add_callback(recorder)
+    with caplog.at_level(logging.WARNING, logger="a3po_trl.checkpoints"):
+        resumed.train(resume_from_checkpoint=True)
+    assert f"skips {out / 'checkpoint-2'}" in caplog.text and "trainer_state.json is missing" in caplog.text
+    assert recorder.started_at == 1 and resumed.state.global_step == 3
+    # the partial checkpoint-2 was replaced whole when step 2 was saved again; no staging folder is left
+    assert newest_complete_checkpoint(str(out)) == (str(out / "checkpoint-3"), [])
+    assert checkpoint_problems(str(out / "checkpoint-2")) == []
+    assert not [p for p in os.listdir(out) if p.startswith("tmp-")]
+
+
+def test_rotation_keeps_the_newest_checkpoints(tokenizer, tmp_path):
+    make_trainer(tokenizer, tmp_path, max_steps=3, save_total_limit=2, **CHECKPOINTS).train()
+    assert sorted(p for p in os.listdir(tmp_path / "out") if "checkpoint" in p) == ["checkpoint-2", "checkpoint-3"]
+
+
+def test_sigterm_while_a_checkpoint_is_written_leaves_the_previous_one_newest(tokenizer, tmp_path):
+    out, marker = tmp_path / "out", tmp_path / "writing"
+    script = os.path.join(ROOT, "tests", "scripts", "sigterm_during_checkpoint.py")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": ROOT}
+    process = subprocess.Popen(
+        [sys.executable, script, str(out), str(marker), "2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():  # the slow disk is in the middle of checkpoint-2's optimizer.pt
+            assert process.poll() is None, process.communicate()[1].decode()[-3000:]
+            assert time.monotonic() < deadline, "the script never reached the checkpoint write"
+            time.sleep(0.1)
+        sent = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+        assert time.monotonic() - sent < 10  # it stops within seconds
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == -signal.SIGTERM
+    assert not (out / "checkpoint-2").exists()  # the half-written checkpoint never got its final name
+    assert checkpoint_problems(str(out / "tmp-checkpoint-2" / "checkpoint-2"))  # it is there, incomplete
+    assert get_last_checkpoint(str(out)) == str(out / "checkpoint-1")  # transformers' own choice is safe too
+    assert newest_complete_checkpoint(str(out)) == (str(out / "checkpoint-1"), [])
+
+    resumed = make_trainer(tokenizer, tmp_path, max_steps=2, **CHECKPOINTS)
+    recorder = _RecordResumedStep()
+    resumed.add_callback(recorder)
+    resumed.train(resume_from_checkpoint=True)
+    assert recorder.started_at == 1 and resumed.state.global_step == 2
+    assert checkpoint_problems(str(out / "checkpoint-2")) == []
+    assert not (out / "tmp-checkpoint-2").exists()  # the interrupted write is cleaned up by the next save
+    shutil.rmtree(out)
+
+
+@pytest.mark.slow
+def test_every_process_resumes_from_the_checkpoint_the_main_process_chose(tmp_path):
+    """Two processes (DDP on CPU) whose views of the disk differ: the main process decides for both."""
+    from test_distributed import COMMON, CONFIGS
+
+    config = tmp_path / "ddp.yaml"
+    config.write_text(COMMON.format(port=29580) + textwrap.dedent(CONFIGS["ddp"]))
+    out = tmp_path / "out"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    script = os.path.join(ROOT, "tests", "scripts", "resume_agreement.py")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), script, str(out)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for report in reports:
+        assert report["resumed_from"] == "checkpoint-1" and report["started_at"] == 1 and report["global_step"] == 3
