@@ -15,7 +15,8 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from accelerate.utils import gather_object  # noqa: E402
-from tiny import distributed_script_config, length_reward, make_model, make_prompts, make_tokenizer  # noqa: E402
+from helpers import distributed_script_config  # noqa: E402
+from tiny import length_reward, make_model, make_prompts, make_tokenizer  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from a3po_trl import AsyncA3POTrainer, checkpoints  # noqa: E402

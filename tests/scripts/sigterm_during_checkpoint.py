@@ -16,7 +16,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
-from tiny import distributed_script_config, length_reward, make_model, make_prompts, make_tokenizer  # noqa: E402
+from helpers import distributed_script_config  # noqa: E402
+from tiny import length_reward, make_model, make_prompts, make_tokenizer  # noqa: E402
 
 from a3po_trl import AsyncA3POTrainer  # noqa: E402
 

@@ -7,20 +7,19 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import free_port, make_trainer
 from safetensors.torch import save_file
-from test_trainer import make_trainer
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from a3po_trl.checkpoints import checkpoint_problems, newest_complete_checkpoint, resolve_resume_checkpoint
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHECKPOINTS = dict(save_strategy="steps", save_steps=1)
 
 
@@ -154,10 +153,11 @@ def test_sigterm_while_a_checkpoint_is_written_leaves_the_previous_one_newest(to
 @pytest.mark.slow
 def test_every_process_resumes_from_the_checkpoint_the_main_process_chose(tmp_path):
     """Two processes (DDP on CPU) whose views of the disk differ: the main process decides for both."""
-    from test_distributed import COMMON, CONFIGS
-
     config = tmp_path / "ddp.yaml"
-    config.write_text(COMMON.format(port=29580) + textwrap.dedent(CONFIGS["ddp"]))
+    config.write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_processes: 2\ngpu_ids: all\n"
+        f"mixed_precision: 'no'\nnum_machines: 1\nmachine_rank: 0\nmain_process_port: {free_port()}\n"
+    )
     out = tmp_path / "out"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     script = os.path.join(ROOT, "tests", "scripts", "resume_agreement.py")

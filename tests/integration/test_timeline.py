@@ -5,7 +5,7 @@ import sys
 import threading
 
 import pytest
-from test_trainer import make_trainer
+from helpers import make_trainer
 
 from a3po_trl.timeline import (
     GENERATION_LANE,
