@@ -58,8 +58,11 @@ class DecoupledLossMixin:
         return self._compute_a3po_loss(model, inputs)
 
     def _proximal_logps(self, inputs, current_logps, staleness):
-        """``(proximal, loglinear)`` log-probs: the A-3PO interpolation, the recomputed ones, or both (metrics)."""
+        """``(proximal, loglinear)`` log-probs: the A-3PO interpolation, the recomputed ones, both (metrics), or the
+        behavior log-probs themselves (the ``behavior`` ablation: no forward, no interpolation, nothing timed)."""
         method = self.args.prox_logp_method
+        if method == "behavior":
+            return inputs["behavior_logps"], None
         start = time.perf_counter()
         loglinear = None
         if method in ("loglinear", "metrics"):
@@ -100,6 +103,10 @@ class DecoupledLossMixin:
         sampling_logps = inputs.get("sampling_logps", behavior_logps)
         staleness = token_staleness(self.state.global_step, inputs["policy_version"])
         proximal_logps, loglinear_logps = self._proximal_logps(inputs, current_logps, staleness)
+        # The ``behavior`` ablation has no behavior weight: rho = pi_prox / pi_sampling with pi_prox = pi_behav would
+        # still carry the sampler's truncation, so the weight's denominator is the behavior policy too (rho = 1
+        # exactly), and the loss is GRPOTrainer's with the generating weights as "old" policy.
+        weight_denominator = behavior_logps if args.prox_logp_method == "behavior" else sampling_logps
 
         per_token_loss, stats = decoupled_ppo_loss(
             current_logps,
@@ -120,7 +127,7 @@ class DecoupledLossMixin:
             vespo_lambda_pos=args.vespo_lambda_pos,
             vespo_k_neg=args.vespo_k_neg,
             vespo_lambda_neg=args.vespo_lambda_neg,
-            sampling_logps=sampling_logps,
+            sampling_logps=weight_denominator,
         )
         if self.off_policy_mask_threshold is not None:
             # The off-policy sequence mask compares the current policy with the distribution that sampled the tokens
