@@ -172,6 +172,7 @@ class DecoupledLossMixin:
 
         self._log_loss_metrics(mode, mask, staleness, entropies, stats, per_token_kl)
         self._log_behavior_mismatch(mode, current_logps, behavior_logps, mask, staleness)
+        self._log_behavior_drift(mode, current_logps, behavior_logps, mask, staleness)
         if args.prox_logp_method == "metrics":
             self._log_approximation_error(mode, inputs, loglinear_logps, proximal_logps, sampling_logps, mask)
         return loss
@@ -234,6 +235,25 @@ class DecoupledLossMixin:
         if totals[1] > 0:
             self._metrics[mode]["a3po/behavior_mismatch_mean"].append((totals[0] / totals[1]).item())
             self._metrics[mode]["a3po/behavior_mismatch_max"].append(largest.item())
+
+    def _log_behavior_drift(self, mode, current_logps, behavior_logps, mask, staleness):
+        """How far the weights being trained have moved from the ones that generated the batch, on its tokens:
+        ``a3po/behavior_drift_mean`` is the mean ``|log pi_theta - log pi_behav|`` (nats) over the loss tokens, and
+        ``a3po/behavior_drift_per_version_mean`` the same divided by each token's staleness, over the stale tokens
+        (``d >= 1``, logged on the micro-steps that have some): how much one optimizer step moves the policy on the
+        sampled tokens (0.05 is about 5%). That movement, times the staleness, is what the proximal policy and the
+        behavior weight have to correct; with a small one every method trains alike. It costs no forward."""
+        staleness = (staleness if staleness.dim() == 2 else staleness.view(-1, 1)).expand_as(current_logps)
+        counted = mask.bool() & torch.isfinite(behavior_logps)
+        drift = torch.where(counted, (current_logps.detach() - behavior_logps).abs(), 0.0)
+        stale = counted & (staleness >= 1)
+        per_version = torch.where(stale, drift / staleness.clamp(min=1).to(drift.dtype), 0.0)
+        local = torch.stack([drift.sum(), counted.sum().float(), per_version.sum(), stale.sum().float()])
+        totals = self.accelerator.reduce(local, reduction="sum")
+        if totals[1] > 0:
+            self._metrics[mode]["a3po/behavior_drift_mean"].append((totals[0] / totals[1]).item())
+        if totals[3] > 0:
+            self._metrics[mode]["a3po/behavior_drift_per_version_mean"].append((totals[2] / totals[3]).item())
 
     def _log_approximation_error(self, mode, inputs, loglinear_logps, recomputed_logps, behavior_logps, mask):
         """Error of the log-linear estimate against the recomputed proximal log-probs, over the rows whose recompute

@@ -186,6 +186,10 @@ def test_behavior_ablation_is_grpo_trainers_loss_against_stale_weights_without_c
     assert metrics["a3po/staleness_max"][-1] == 4
     assert metrics["a3po/importance_weight_mean"][-1] == metrics["a3po/importance_weight_max"][-1] == 1.0
     assert metrics["a3po/importance_weight_masked_frac"][-1] == 0.0
+    # how far the policy moved from the generating weights: in all, and per optimizer step of staleness
+    drift = (logps - behavior).abs()[inputs["completion_mask"].bool()].mean().item()
+    assert metrics["a3po/behavior_drift_mean"][-1] == pytest.approx(drift, rel=1e-4)
+    assert metrics["a3po/behavior_drift_per_version_mean"][-1] == pytest.approx(drift / 4, rel=1e-4)
 
     ours.args.prox_logp_method = "loglinear"  # anchor a quarter of the way from the behavior policy, rho != 1
     assert not torch.allclose(ours.compute_loss(ours.model, inputs), theirs._compute_loss(theirs.model, trl_inputs))
