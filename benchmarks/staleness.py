@@ -88,6 +88,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="the offline SmolLM2, or a model path")
     parser.add_argument("--out", default=str(HERE / "results" / "staleness"))
     parser.add_argument("--max-runs", type=int, default=None, help="at most this many missing runs now")
+    parser.add_argument(
+        "--quiet-wait", type=float, default=0.0, help="seconds to wait at most, before each run, for a quiet machine"
+    )
+    parser.add_argument("--quiet-threshold", type=float, default=0.1, help="other processes' CPU share that is quiet")
     parser.add_argument("--summary-only", "--summary", action="store_true", help="no runs, only the summary")
     parser.add_argument("--quick", action="store_true", help="4 steps, 4 held-out prompts, tiny batches (a smoke run)")
     parser.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
@@ -199,6 +203,7 @@ def _run_one(options, name: str, seed: int) -> dict:
     """One (configuration, seed) run, in this process."""
     load_at_start = os.getloadavg()
     import torch
+    from comparing.machine_load import LoadMeter
     from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
     from transformers import TrainerCallback
 
@@ -246,9 +251,11 @@ def _run_one(options, name: str, seed: int) -> dict:
                 print(f"[staleness] {name}@{seed} step {state.global_step}: {seconds / 60:.1f} min", flush=True)
 
     trainer.add_callback(SnapshotEvery())
+    meter = LoadMeter().start()  # what other processes took of the machine while this one trained
     start = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - start - clock["snapshot"]
+    machine_during_training = meter.stop()
     model.eval()
     curve = []
     for step, seconds, weights in snapshots:
@@ -284,6 +291,7 @@ def _run_one(options, name: str, seed: int) -> dict:
         "seconds_per_step": statistics.median(h["step_time"] for h in log if "step_time" in h),
         "load_average_start": load_at_start,
         "load_average_end": os.getloadavg(),
+        **machine_during_training,  # foreign_cpu_frac: other processes' share of all cores during training
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
     }
@@ -319,6 +327,7 @@ def run_statistics(run: dict) -> dict:
         "drift_per_version_mean": _mean(_values(run, "a3po/behavior_drift_per_version_mean")),
         "seconds_per_step": run["seconds_per_step"],
         "load_average_start": run["load_average_start"][0],
+        "foreign_cpu_frac": run.get("foreign_cpu_frac"),
     }
 
 
@@ -394,9 +403,9 @@ def summarize(options, names, seeds) -> str:
     header = (
         "| configuration | runs | held-out reward: before -> final (min-max) | exact replies | training reward, "
         "last 5 steps | KL to initial (nats/token) | clipped tokens | capped tokens | behavior weight: batch means, "
-        "largest token | drift per step | s/step | load at start |"
+        "largest token | drift per step | s/step | load at start | other processes' CPU |"
     )
-    rows, summary = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"], {}
+    rows, summary = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"], {}
     for name in names:
         done = runs.get(name, [])
         if not done:
@@ -415,7 +424,8 @@ def summarize(options, names, seeds) -> str:
             f"{_spread(column['train_reward_last5'], '.3f')} | {_spread(column['kl_to_initial_final'], '.3f')} | "
             f"{_spread(column['clipped_frac_mean'], '.1%')} | {_spread(column['capped_frac_mean'], '.2%')} | "
             f"{weights} | {_spread(column['drift_per_version_mean'], '.3f')} | "
-            f"{_spread(column['seconds_per_step'], '.2f')} | {_spread(column['load_average_start'], '.1f')} |"
+            f"{_spread(column['seconds_per_step'], '.2f')} | {_spread(column['load_average_start'], '.1f')} | "
+            f"{_spread(column['foreign_cpu_frac'], '.0%')} |"
         )
     first = next((r for done in runs.values() for r in done), None)
     settings = ", ".join(f"{k}={v}" for k, v in first["settings"].items()) if first else "-"
@@ -430,7 +440,8 @@ def summarize(options, names, seeds) -> str:
             "mean over seeds (lowest-highest run). Clipped / capped tokens: mean over steps of "
             "clip_ratio/region_mean / a3po/importance_weight_masked_frac. Drift per step: mean over steps of "
             "a3po/behavior_drift_per_version_mean (nats per optimizer step on the sampled tokens). s/step: median. "
-            "Load: the 1-minute load average when the run started.",
+            "Load: the 1-minute load average when the run started; other processes' CPU: their share of all cores "
+            "while the run trained (the run's own threads left out).",
             "",
             f"Missing runs: {', '.join(missing) if missing else 'none'}.",
         ]
@@ -449,6 +460,8 @@ def main() -> None:
         options.prompts_per_step, options.num_generations, options.max_completion_length = 1, 4, 8
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(HERE))
+    from comparing.machine_load import wait_for_quiet
+
     if options.run_one:
         name, seed = options.run_one.rsplit("@", 1)
         print("A3PO_RESULT " + json.dumps(_run_one(options, name, int(seed))), flush=True)
@@ -468,6 +481,7 @@ def main() -> None:
             if options.max_runs is not None and started >= options.max_runs:
                 break
             started += 1
+            quiet = wait_for_quiet(options.quiet_wait, options.quiet_threshold)
             print(f"[staleness] {name}@{seed} (load average {os.getloadavg()[0]:.2f}) ...", flush=True)
             command = [sys.executable, __file__, *sys.argv[1:], "--run-one", f"{name}@{seed}"]
             env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
@@ -480,7 +494,7 @@ def main() -> None:
                     print(line, end="", flush=True)
             if child.wait() or not results:
                 raise SystemExit(f"{name}@{seed} failed (exit status {child.returncode}); its output is above.")
-            path.write_text(results[-1].rstrip("\n") + "\n")
+            path.write_text(json.dumps({**json.loads(results[-1]), **quiet}) + "\n")
             print(f"[staleness] {name}@{seed} done", flush=True)
     print(summarize(options, names, seeds))
 

@@ -47,6 +47,7 @@ def test_quick_study_records_every_field_summarizes_and_resumes(tokenizer, tmp_p
         assert all(entry["a3po/staleness_mean"] <= run["staleness"] for entry in log)
         assert run["seconds_per_step"] > 0 and run["train_seconds"] > 0
         assert len(run["load_average_start"]) == 3 and len(run["load_average_end"]) == 3
+        assert 0 <= run["foreign_cpu_frac"] <= 1 and run["quiet_wait_seconds"] >= 0
     # reproducible_generation: after the first batches, the behavior run trains on samples exactly 2 steps old
     stale = runs["behavior-s2@1"]["training_log"]
     assert [entry["a3po/staleness_mean"] for entry in stale] == [0, 1, 2, 2]
@@ -58,7 +59,13 @@ def test_quick_study_records_every_field_summarizes_and_resumes(tokenizer, tmp_p
     reported = summary["configs"]["behavior-s2"]
     for key in ("held_out_reward_final", "kl_to_initial_final", "clipped_frac_mean", "capped_frac_mean"):
         assert len(reported[key]) == 1 and reported[key][0] is not None, key
-    for key in ("train_reward_last5", "seconds_per_step", "load_average_start", "drift_per_version_mean"):
+    for key in (
+        "train_reward_last5",
+        "seconds_per_step",
+        "load_average_start",
+        "drift_per_version_mean",
+        "foreign_cpu_frac",
+    ):
         assert reported[key][0] is not None, key
     table = (out / "summary.md").read_text()
     assert "| behavior-s2 | 1 |" in table and "| loglinear-s0 | 1 |" in table and "Missing runs: none." in table

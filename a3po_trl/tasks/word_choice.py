@@ -49,10 +49,8 @@ WORD_CHOICE_VOCABULARY = tuple(
     "lantern meadow needle pepper pocket silver spoon tiger tomato".split()
 )
 
-#: Phrasings of the instruction; ``{words}`` is the comma-separated list (one: the others measured worse, see above).
-WORD_CHOICE_TEMPLATES = (
-    "Choose one word from this list: {words}. Reply with that single word and nothing else.",
-)
+#: Phrasings of the instruction; ``{words}`` is the comma-separated list (one: the others tried were worse, see above).
+WORD_CHOICE_TEMPLATES = ("Choose one word from this list: {words}. Reply with that single word and nothing else.",)
 
 _WORD = re.compile(r"[a-z]+")
 
