@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-PROXIMAL_METHODS = ("loglinear", "recompute", "metrics")
-"""How the proximal log-probs are obtained: A-3PO's interpolation, a forward pass, or both (to measure the error)."""
+PROXIMAL_METHODS = ("loglinear", "recompute", "metrics", "behavior")
+"""How the proximal log-probs are obtained: A-3PO's interpolation, a forward pass, both (to measure the error), or
+not at all (``behavior``: the ablation without a proximal policy, the trust region anchored at the behavior policy)."""
 
 CAP_MODES = ("token_mask", "token_truncate", "sequence_mask", "sequence_truncate")
 """How the behavior importance weight is capped: per token or per sequence (geometric mean), masked or clamped."""
@@ -43,6 +44,16 @@ class AsyncA3POConfig(GRPOConfig):
             interpolation between the behavior and the current log-probs, no forward pass. `"recompute"` runs one
             no-grad forward pass of the current weights over each batch when it is consumed (standard decoupled PPO).
             `"metrics"` recomputes, trains with the recomputed values, and logs the error of the log-linear estimate.
+            `"behavior"` is an ablation, the loss of asynchronous trainers without a separate proximal policy (TRL's
+            experimental `AsyncGRPOTrainer` computes it from its engine's log-probs): the trust region is anchored at
+            the behavior policy itself, one clipped ratio `pi_theta / pi_behav` and no behavior importance weight (it
+            is 1 on every token, so `behavior_weight_cap` never acts), i.e. GRPOTrainer's loss with the generating
+            weights as its "old" policy, whatever their staleness. Under truncated or penalised sampling (`top_p < 1`,
+            `top_k > 0`, ...) the anchor is the untruncated behavior policy and the sampler's truncation is ignored
+            too, as GRPOTrainer's own `generate` path ignores it. It costs nothing. Without truncation it equals
+            `"loglinear"` at staleness 0 and 1 (and GRPOTrainer at staleness 0); at larger staleness the clipped ratio
+            measures the whole drift from the stale weights instead of about one step of it, so more tokens clip and
+            nothing reweights them.
         behavior_weight_cap (`float` or `None`, *optional*, defaults to `5.0`):
             Cap on the behavior importance weight `pi_prox / pi_behav`. Must be greater than 1; `None` disables it.
         behavior_weight_cap_mode (`str`, *optional*, defaults to `"token_mask"`):
@@ -153,7 +164,8 @@ class AsyncA3POConfig(GRPOConfig):
         default="loglinear",
         metadata={
             "help": "How the proximal log-probs are obtained: 'loglinear' (A-3PO interpolation, no forward pass), "
-            "'recompute' (one no-grad forward per batch) or 'metrics' (recompute and log the loglinear error).",
+            "'recompute' (one no-grad forward per batch), 'metrics' (recompute and log the loglinear error) or "
+            "'behavior' (ablation: the behavior policy as anchor, no behavior weight).",
             "choices": list(PROXIMAL_METHODS),
         },
     )

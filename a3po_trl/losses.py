@@ -58,8 +58,11 @@ class DecoupledLossMixin:
         return self._compute_a3po_loss(model, inputs)
 
     def _proximal_logps(self, inputs, current_logps, staleness):
-        """``(proximal, loglinear)`` log-probs: the A-3PO interpolation, the recomputed ones, or both (metrics)."""
+        """``(proximal, loglinear)`` log-probs: the A-3PO interpolation, the recomputed ones, both (metrics), or the
+        behavior log-probs themselves (the ``behavior`` ablation: no forward, no interpolation, nothing timed)."""
         method = self.args.prox_logp_method
+        if method == "behavior":
+            return inputs["behavior_logps"], None
         start = time.perf_counter()
         loglinear = None
         if method in ("loglinear", "metrics"):
@@ -100,6 +103,10 @@ class DecoupledLossMixin:
         sampling_logps = inputs.get("sampling_logps", behavior_logps)
         staleness = token_staleness(self.state.global_step, inputs["policy_version"])
         proximal_logps, loglinear_logps = self._proximal_logps(inputs, current_logps, staleness)
+        # The ``behavior`` ablation has no behavior weight: rho = pi_prox / pi_sampling with pi_prox = pi_behav would
+        # still carry the sampler's truncation, so the weight's denominator is the behavior policy too (rho = 1
+        # exactly), and the loss is GRPOTrainer's with the generating weights as "old" policy.
+        weight_denominator = behavior_logps if args.prox_logp_method == "behavior" else sampling_logps
 
         per_token_loss, stats = decoupled_ppo_loss(
             current_logps,
@@ -120,7 +127,7 @@ class DecoupledLossMixin:
             vespo_lambda_pos=args.vespo_lambda_pos,
             vespo_k_neg=args.vespo_k_neg,
             vespo_lambda_neg=args.vespo_lambda_neg,
-            sampling_logps=sampling_logps,
+            sampling_logps=weight_denominator,
         )
         if self.off_policy_mask_threshold is not None:
             # The off-policy sequence mask compares the current policy with the distribution that sampled the tokens
@@ -165,6 +172,7 @@ class DecoupledLossMixin:
 
         self._log_loss_metrics(mode, mask, staleness, entropies, stats, per_token_kl)
         self._log_behavior_mismatch(mode, current_logps, behavior_logps, mask, staleness)
+        self._log_behavior_drift(mode, current_logps, behavior_logps, mask, staleness)
         if args.prox_logp_method == "metrics":
             self._log_approximation_error(mode, inputs, loglinear_logps, proximal_logps, sampling_logps, mask)
         return loss
@@ -227,6 +235,25 @@ class DecoupledLossMixin:
         if totals[1] > 0:
             self._metrics[mode]["a3po/behavior_mismatch_mean"].append((totals[0] / totals[1]).item())
             self._metrics[mode]["a3po/behavior_mismatch_max"].append(largest.item())
+
+    def _log_behavior_drift(self, mode, current_logps, behavior_logps, mask, staleness):
+        """How far the weights being trained have moved from the ones that generated the batch, on its tokens:
+        ``a3po/behavior_drift_mean`` is the mean ``|log pi_theta - log pi_behav|`` (nats) over the loss tokens, and
+        ``a3po/behavior_drift_per_version_mean`` the same divided by each token's staleness, over the stale tokens
+        (``d >= 1``, logged on the micro-steps that have some): how much one optimizer step moves the policy on the
+        sampled tokens (0.05 is about 5%). That movement, times the staleness, is what the proximal policy and the
+        behavior weight have to correct; with a small one every method trains alike. It costs no forward."""
+        staleness = (staleness if staleness.dim() == 2 else staleness.view(-1, 1)).expand_as(current_logps)
+        counted = mask.bool() & torch.isfinite(behavior_logps)
+        drift = torch.where(counted, (current_logps.detach() - behavior_logps).abs(), 0.0)
+        stale = counted & (staleness >= 1)
+        per_version = torch.where(stale, drift / staleness.clamp(min=1).to(drift.dtype), 0.0)
+        local = torch.stack([drift.sum(), counted.sum().float(), per_version.sum(), stale.sum().float()])
+        totals = self.accelerator.reduce(local, reduction="sum")
+        if totals[1] > 0:
+            self._metrics[mode]["a3po/behavior_drift_mean"].append((totals[0] / totals[1]).item())
+        if totals[3] > 0:
+            self._metrics[mode]["a3po/behavior_drift_per_version_mean"].append((totals[2] / totals[3]).item())
 
     def _log_approximation_error(self, mode, inputs, loglinear_logps, recomputed_logps, behavior_logps, mask):
         """Error of the log-linear estimate against the recomputed proximal log-probs, over the rows whose recompute

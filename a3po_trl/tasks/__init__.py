@@ -1,6 +1,7 @@
 """The GSM8K / SmolLM2 demo application built on the trainer: math problems (:mod:`.problems`), their rewards
-(:mod:`.rewards`), held-out evaluation (:mod:`.evaluation`), the offline SmolLM2 model (:mod:`.offline_model`) and the
-training plots (:mod:`.plotting`). The trainer never imports this package; ``import a3po_trl`` does not load it."""
+(:mod:`.rewards`), held-out evaluation (:mod:`.evaluation`), the offline SmolLM2 model (:mod:`.offline_model`), the
+training plots (:mod:`.plotting`), and the word-choice task of the staleness study (:mod:`.word_choice`). The
+trainer never imports this package; ``import a3po_trl`` does not load it."""
 
 from .evaluation import evaluate_accuracy, paired_accuracy_test
 from .offline_model import DEFAULT_MODEL, ModelCacheError, ensure_smollm2, resolve_model_path
@@ -14,6 +15,7 @@ from .problems import (
     to_prompt_dataset,
 )
 from .rewards import correctness_reward, extract_answer, extract_reference_answer, format_reward
+from .word_choice import make_word_choice_splits, score_word_choice, word_choice_reward
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -30,8 +32,11 @@ __all__ = [
     "load_gsm8k",
     "load_metrics",
     "make_math_splits",
+    "make_word_choice_splits",
     "paired_accuracy_test",
     "plot_training",
     "resolve_model_path",
+    "score_word_choice",
     "to_prompt_dataset",
+    "word_choice_reward",
 ]

@@ -44,7 +44,9 @@ def test_steps_spanning_a_generation_batch_respect_the_bound(tokenizer, tmp_path
     assert max(staleness_max) == 1 and min(staleness_max) == 0
 
 
-@pytest.mark.parametrize("method, extra_per_batch", [("loglinear", 0), ("recompute", 1), ("metrics", 1)])
+@pytest.mark.parametrize(
+    "method, extra_per_batch", [("loglinear", 0), ("recompute", 1), ("metrics", 1), ("behavior", 0)]
+)
 def test_forward_passes_per_batch(tokenizer, tmp_path, method, extra_per_batch):
     trainer = make_trainer(tokenizer, tmp_path, prox_logp_method=method, max_steps=3)
     calls = []
@@ -63,6 +65,11 @@ def test_forward_passes_per_batch(tokenizer, tmp_path, method, extra_per_batch):
     if method == "metrics":
         errors = logged(trainer, "a3po/approx_logp_abs_error")
         assert len(errors) == 3 and all(e >= 0 for e in errors)
+    else:  # the approximation error is measured only against a recompute
+        assert logged(trainer, "a3po/approx_logp_abs_error") == []
+    if method == "behavior":  # no proximal policy to compute, and no behavior weight
+        assert logged(trainer, "a3po/prox_time") == [0.0] * 3
+        assert logged(trainer, "a3po/importance_weight_mean") == [1.0] * 3
 
 
 def test_parameters_change_and_generator_matches_after_publication(tokenizer, tmp_path):

@@ -70,3 +70,10 @@ def test_from_grpo_config_refuses_unknown_settings_and_other_types(tmp_path):
         AsyncA3POConfig.from_grpo_config(grpo, max_stalenes=2)
     with pytest.raises(TypeError, match="needs a trl.GRPOConfig, got dict"):
         AsyncA3POConfig.from_grpo_config(dict(COMMON))
+
+
+def test_every_proximal_method_is_accepted_and_an_unknown_one_lists_them(tmp_path):
+    for method in ("loglinear", "recompute", "metrics", "behavior"):
+        assert AsyncA3POConfig(**COMMON, output_dir=str(tmp_path), prox_logp_method=method).prox_logp_method == method
+    with pytest.raises(ValueError, match=r"'metrics', 'behavior'\)"):
+        AsyncA3POConfig(**COMMON, output_dir=str(tmp_path), prox_logp_method="behaviour")

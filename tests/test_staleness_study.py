@@ -1,0 +1,120 @@
+"""benchmarks/staleness.py end to end on a tiny random model: runs, every reported field, the summary, the plot, and
+resuming (finished runs are skipped, missing ones are named)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from tiny import make_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "staleness.py")
+
+
+@pytest.mark.slow
+def test_quick_study_records_every_field_summarizes_and_resumes(tokenizer, tmp_path):
+    model_dir = tmp_path / "model"
+    make_model(tokenizer).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    out = tmp_path / "study"
+    configs = "behavior-s2,loglinear-s0"
+    command = [sys.executable, SCRIPT, "--quick", "--configs", configs, "--seeds", "1", "--model", str(model_dir)]
+    command += ["--out", str(out)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}
+    subprocess.run(command, check=True, timeout=900, env=env, capture_output=True, text=True)
+
+    runs = {path.stem: json.loads(path.read_text()) for path in (out / "runs").glob("*.json")}
+    assert set(runs) == {"behavior-s2@1", "loglinear-s0@1"}
+    for name, run in runs.items():
+        method, staleness = name.split("@")[0].rsplit("-s", 1)
+        assert (run["method"], run["staleness"], run["seed"], run["steps"]) == (method, int(staleness), 1, 4)
+        assert run["settings"]["reproducible_generation"] is True and run["settings"]["learning_rate"] == 1e-3
+        # held-out reward and KL at steps 0, 2, 4, from adapter snapshots: the initial policy has KL 0 to itself
+        assert [point["step"] for point in run["curve"]] == [0, 2, 4]
+        assert run["curve"][0]["seconds"] == 0 and 0 < run["curve"][1]["seconds"] < run["curve"][2]["seconds"]
+        assert run["curve"][0]["kl_to_initial"] == pytest.approx(0.0, abs=1e-6)
+        assert run["curve"][-1]["kl_to_initial"] >= 0  # the random model earns no reward, so it may not move at all
+        for point in run["curve"]:
+            assert 0 <= point["reward"] <= 1 and 0 <= point["exact"] <= 1
+        log = run["training_log"]
+        assert [entry["step"] for entry in log] == [1, 2, 3, 4]
+        assert all("reward" in entry and "clip_ratio/region_mean" in entry for entry in log)
+        assert all(entry["a3po/staleness_mean"] <= run["staleness"] for entry in log)
+        assert run["seconds_per_step"] > 0 and run["train_seconds"] > 0
+        assert len(run["load_average_start"]) == 3 and len(run["load_average_end"]) == 3
+        assert 0 <= run["foreign_cpu_frac"] <= 1 and run["quiet_wait_seconds"] >= 0
+    # reproducible_generation: after the first batches, the behavior run trains on samples exactly 2 steps old
+    stale = runs["behavior-s2@1"]["training_log"]
+    assert [entry["a3po/staleness_mean"] for entry in stale] == [0, 1, 2, 2]
+    assert all(entry["a3po/importance_weight_mean"] == 1.0 for entry in stale)  # no behavior weight
+    assert "a3po/behavior_drift_per_version_mean" in stale[-1]
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["missing"] == [] and set(summary["configs"]) == {"behavior-s2", "loglinear-s0"}
+    reported = summary["configs"]["behavior-s2"]
+    for key in ("held_out_reward_final", "kl_to_initial_final", "clipped_frac_mean", "capped_frac_mean"):
+        assert len(reported[key]) == 1 and reported[key][0] is not None, key
+    for key in (
+        "train_reward_last5",
+        "seconds_per_step",
+        "load_average_start",
+        "drift_per_version_mean",
+        "foreign_cpu_frac",
+    ):
+        assert reported[key][0] is not None, key
+    table = (out / "summary.md").read_text()
+    assert "| behavior-s2 | 1 |" in table and "| loglinear-s0 | 1 |" in table and "Missing runs: none." in table
+    assert (out / "staleness.png").stat().st_size > 0
+
+    # a second invocation skips the finished runs; a wider plan names the run it has not made
+    again = subprocess.run(command, check=True, timeout=600, env=env, capture_output=True, text=True)
+    assert "[staleness] behavior-s2@1 (" not in again.stdout
+    wider = [*command, "--configs", f"{configs},recompute-s4", "--summary-only"]
+    subprocess.run(wider, check=True, timeout=600, env=env, capture_output=True, text=True)
+    assert "Missing runs: recompute-s4@1." in (out / "summary.md").read_text()
+
+
+def _study_module():
+    spec = importlib.util.spec_from_file_location("staleness_study", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_kl_to_initial_is_the_exact_per_token_kl_of_the_adapter_against_the_base_model(tokenizer):
+    """The study's KL: zero for an adapter that changes nothing, and on one unpadded prompt the mean over sampled
+    tokens of the full-vocabulary KL(adapted || base) at the sampling temperature, computed here independently."""
+    study = _study_module()
+    tokenizer.padding_side = "left"
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    model = get_peft_model(make_model(tokenizer), lora).eval()
+    rows = [{"prompt": [{"role": "user", "content": "Choose one word: a, b, c."}], "choices": ["a", "b", "c"]}]
+    assert study._kl_to_initial(model, tokenizer, rows, 6, 0.7, samples=1, seed=0) == pytest.approx(0.0, abs=1e-7)
+
+    generator = torch.Generator().manual_seed(0)
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:
+            parameter.data = 0.5 * torch.randn(parameter.shape, generator=generator)
+    kl = study._kl_to_initial(model, tokenizer, rows, 6, 0.7, samples=1, seed=0)
+    assert kl > 1e-3
+
+    prompt = tokenizer.apply_chat_template(rows[0]["prompt"], tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    torch.manual_seed(0)
+    with torch.no_grad():
+        sequence = model.generate(
+            input_ids=prompt_ids, do_sample=True, temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=6,
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        )  # fmt: skip
+        completion_length = sequence.size(1) - prompt_ids.size(1)
+        adapted = torch.log_softmax(model(sequence).logits[0, -completion_length - 1 : -1] / 0.7, dim=-1)
+        with model.disable_adapter():
+            base = torch.log_softmax(model(sequence).logits[0, -completion_length - 1 : -1] / 0.7, dim=-1)
+    expected = torch.nn.functional.kl_div(base, adapted, log_target=True, reduction="none").sum(-1).mean()
+    assert tokenizer.eos_token_id not in sequence[0, prompt_ids.size(1) :].tolist()  # every token counts
+    assert kl == pytest.approx(expected.item(), rel=1e-4)
