@@ -12,7 +12,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from tiny import make_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "staleness.py")
 
 
