@@ -284,7 +284,8 @@ def _run_one(options, name: str, seed: int) -> dict:
         "seed": seed,
         "steps": options.steps,
         "settings": {k: v for k, v in settings.items() if isinstance(v, (int, float, str, bool))}
-        | {"loss_type": args.loss_type, "epsilon": args.epsilon, "beta": args.beta, "lora_r": 16, "lora_alpha": 32},
+        | {"loss_type": args.loss_type, "epsilon": args.epsilon, "beta": args.beta, "lora_r": 16, "lora_alpha": 32}
+        | {"eval_every": options.eval_every, "held_out": options.held_out, "kl_samples": options.kl_samples},
         "curve": curve,
         "training_log": log,
         "train_seconds": train_seconds,
