@@ -189,8 +189,13 @@ def _kl_to_initial(model, tokenizer, rows, max_tokens: int, temperature: float, 
         positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
 
         def log_probs():
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
-            return torch.log_softmax(logits[:, prompt_ids.size(1) - 1 : -1].float() / temperature, dim=-1)
+            # only the positions that predict completion tokens: a full (B, prompt + completion, vocabulary) logit
+            # tensor is ~2 GB for SmolLM2's 49k-token vocabulary at the default sizes
+            kept = completions.size(1) + 1
+            logits = model(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, logits_to_keep=kept
+            ).logits
+            return torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
 
         now = log_probs()
         with model.disable_adapter():
@@ -284,7 +289,8 @@ def _run_one(options, name: str, seed: int) -> dict:
         "seed": seed,
         "steps": options.steps,
         "settings": {k: v for k, v in settings.items() if isinstance(v, (int, float, str, bool))}
-        | {"loss_type": args.loss_type, "epsilon": args.epsilon, "beta": args.beta, "lora_r": 16, "lora_alpha": 32},
+        | {"loss_type": args.loss_type, "epsilon": args.epsilon, "beta": args.beta, "lora_r": 16, "lora_alpha": 32}
+        | {"eval_every": options.eval_every, "held_out": options.held_out, "kl_samples": options.kl_samples},
         "curve": curve,
         "training_log": log,
         "train_seconds": train_seconds,
