@@ -435,33 +435,3 @@ def generate_with_tools(
         sampling_logps=sampling_logps if sampled[0] else None,
         timings=timings,
     )
-
-
-def agent_settings(trainer, tokenizer, refresh_between_turns: bool) -> AgentSettings | None:
-    """The multi-turn settings of a GRPOTrainer set up with ``tools`` or ``environment_factory`` (None otherwise),
-    read once in the main thread; ``tokenizer`` is the generation thread's own copy."""
-    factories = getattr(trainer, "environment_factories", None)
-    if not trainer.tools and factories is None:
-        return None
-    if factories is not None:
-        environment_tools = dict(trainer._env_tools)
-    else:
-        environment_tools = {}
-    backend_limit = trainer.args.vllm_max_model_length if trainer.args.use_vllm else None
-    config = trainer._unwrapped_model().config
-    model_limit = getattr(getattr(config, "text_config", config), "max_position_embeddings", None)
-    return AgentSettings(
-        tokenizer=tokenizer,
-        chat_template=trainer.chat_template,
-        chat_template_kwargs=dict(trainer.chat_template_kwargs),
-        standalone_tools=list(trainer._standalone_tools),
-        environment_factories=factories,
-        environment_tools=environment_tools,
-        multi_environment=bool(getattr(trainer, "_multi_environment", False)),
-        max_tool_calling_iterations=trainer.max_tool_calling_iterations,
-        max_completion_length=trainer.max_completion_length,
-        max_model_len=backend_limit or model_limit or (1 << 62),
-        tool_call_timeout=trainer.args.tool_call_timeout,
-        refresh_between_turns=refresh_between_turns,
-        async_loop=getattr(trainer, "async_loop", None),
-    )
