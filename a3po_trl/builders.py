@@ -18,10 +18,11 @@ from torch import nn
 from trl.data_utils import is_conversational
 from trl.trainer.utils import add_fused_lm_head
 
+from .distributed import private_store
 from .generation.backend import GenerationBackend
 from .generation.hf import HFGenerateBackend, HFGenerationSettings
 from .generation.hf.sampling import processed_sampling, records_logps, samples_with_own_stream, sampling_deviations
-from .generation.vllm.common import VLLMSamplingSettings
+from .generation.vllm.common import VLLMSamplingSettings, active_lora
 from .patches import align_position_ids_with_generation, cast_lm_head_to_fp32, peft_base_model
 from .rollout import RolloutSettings, decode_completions
 from .rollout.multi_turn import AgentSettings
@@ -173,14 +174,24 @@ def _build_vllm_backend(trainer) -> GenerationBackend:
     from .generation.vllm.setup import build_vllm_backend
 
     args = trainer.args
+    module = trainer._unwrapped_model()
+    shared = None
+    processes = trainer.accelerator.num_processes
+    if args.vllm_mode == "server" and processes > 1 and active_lora(module) is None:
+        # one full-weight server for every process: they agree on the version it holds through the process group's
+        # store (built here, in the main thread, every process together)
+        from .generation.vllm.shared_server import SharedServerVersions
+
+        shared = SharedServerVersions(private_store("a3po-vllm-server"), trainer.accelerator.process_index, processes)
     return build_vllm_backend(
-        trainer._unwrapped_model(),
+        module,
         args,
         vllm_sampling_settings(trainer),
         device=torch.device(args.generation_device) if args.generation_device else trainer.accelerator.device,
         gather=zero3_gather(trainer),
         process_index=trainer.accelerator.process_index,
-        num_processes=trainer.accelerator.num_processes,
+        num_processes=processes,
+        shared=shared,
     )
 
 

@@ -52,6 +52,19 @@ def destroy_process_group_if_initialized() -> bool:
     return True
 
 
+def private_store(prefix: str):
+    """A key-value store every process of the default process group reaches (its ``TCPStore``), under a prefix that
+    is new for every call: the processes agree on it with one broadcast, so every process must call this together,
+    in the main thread. Store calls are not collectives: any thread may use the store afterwards."""
+    import uuid
+
+    from accelerate.utils import broadcast_object_list
+
+    tag = [uuid.uuid4().hex]
+    broadcast_object_list(tag, from_process=0)
+    return dist.PrefixStore(f"{prefix}/{tag[0]}", dist.distributed_c10d._get_default_store())
+
+
 def teardown_registered() -> bool:
     """Whether :func:`destroy_process_group_at_exit` registered its atexit handler in this process."""
     return _registered

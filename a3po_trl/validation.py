@@ -8,8 +8,6 @@ from datasets import IterableDataset
 from torch import nn
 from trl import GRPOConfig
 
-from .generation.vllm.common import active_lora, unsupported_lora_reason
-
 logger = logging.getLogger(__name__)
 
 _VLLM_MODES = ("colocate", "server")
@@ -170,17 +168,6 @@ def check_trainer(trainer) -> None:
             "FSDP is not supported yet (the generator's copy of the weights is built from whole parameters); use "
             "DDP or DeepSpeed ZeRO-2/3 (`accelerate launch --config_file examples/accelerate_configs/...`)."
         )
-    processes = trainer.accelerator.num_processes
-    if trainer._use_vllm_backend and trainer.args.vllm_mode == "server" and processes > 1:
-        lora = active_lora(trainer._unwrapped_model())
-        if lora is None or unsupported_lora_reason(lora[1]) is not None:
-            raise NotImplementedError(
-                f"use_vllm=True with vllm_mode='server', full weights and {processes} training processes is not "
-                "supported yet: a full-weight reload on a shared server would change the weights under the other "
-                "processes' requests. Use vllm_mode='colocate' (an engine in every training process), a LoRA "
-                "peft_config (each process loads its own adapter per version into the server), or one training "
-                "process."
-            )
     if trainer.train_dataset is not None and hasattr(trainer.train_dataset, "__len__"):
         prompts_needed = trainer.args.generation_batch_size // trainer.num_generations
         if len(trainer.train_dataset) < prompts_needed:

@@ -132,6 +132,12 @@ class GenerationBackend(ABC):
             self.trainer_state = trainer_state
         return True
 
+    def finish_batch(self, next_version: int | None, error: BaseException | None = None) -> None:
+        """The generation thread is done with the batch it refreshed for (``error``: the batch failed with it). Its
+        next batch is generated with exactly version ``next_version`` (``refresh(exact=...)``), or with the newest
+        (None). A backend whose weights others share uses this to let them move on; by default nothing to do."""
+        return None
+
     def release_versions_before(self, version: int) -> None:
         """Drop the kept versions older than ``version`` (no batch still to be generated or trained needs them)."""
         with self._lock:

@@ -197,6 +197,19 @@ class GenerationEngine:
         return time.perf_counter() - start, True
 
     def _produce(self, index: int) -> ScoredBatch:
+        next_version = self.min_version(index + 1) if self.exact_versions and index + 1 < self.num_batches else None
+        try:
+            batch = self._produce_batch(index)
+        except GenerationStopped:
+            self.backend.finish_batch(None)
+            raise
+        except BaseException as error:
+            self.backend.finish_batch(None, error)
+            raise
+        self.backend.finish_batch(next_version)
+        return batch
+
+    def _produce_batch(self, index: int) -> ScoredBatch:
         needed = self.min_version(index)
         with batch_span(self.timeline, GENERATION_LANE, batch=index) as span_args:
             wait_start = time.perf_counter()

@@ -276,24 +276,3 @@ def test_sigint_while_waiting_for_generation_joins_thread_quickly(tokenizer, tmp
     assert _no_generation_thread_alive()
     assert elapsed < 2.0 + 10.0  # liveness bound, generous for a loaded machine: no hang
     assert trainer.state.global_step < 50
-
-
-def test_a_full_weight_server_shared_by_several_processes_is_refused_and_lora_or_colocate_are_not(
-    tokenizer, tmp_path, monkeypatch
-):
-    """Checked once the model is loaded (the adapter decides): a reload on a shared server would change the weights
-    under the other processes' requests."""
-    from peft import LoraConfig, get_peft_model
-
-    from a3po_trl.validation import check_trainer
-
-    server = {"use_vllm": True, "vllm_mode": "server"}
-    full = make_trainer(tokenizer, tmp_path, **server)
-    lora = make_trainer(tokenizer, tmp_path, **server)
-    lora.model = get_peft_model(lora.model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    colocate = make_trainer(tokenizer, tmp_path, use_vllm=True, vllm_mode="colocate")
-    monkeypatch.setattr(type(full.accelerator), "num_processes", property(lambda self: 2))
-    with pytest.raises(NotImplementedError, match="full weights and 2 training processes.*vllm_mode='colocate'"):
-        check_trainer(full)
-    check_trainer(lora)
-    check_trainer(colocate)

@@ -2,16 +2,19 @@
 server shared by both.
 
 accelerate launch --config_file CONFIG tests/scripts/distributed_vllm.py OUT_DIR MODEL_DIR MODE [--url URL] [--lora]
-    [--fail-rank R]
+    [--fail-rank R] [--reproducible] [--steps N] [--kill-server PID --kill-at-step S]
 
 MODE is ``colocate`` or ``server``. ``--fail-rank R``: process R's engine raises on its second batch (a fault in one
-process). One JSON report per rank, written also when training fails.
+process). ``--kill-server PID --kill-at-step S``: process 0 kills the server's process group once checkpoint S is
+saved (checkpoints every step then). One JSON report per rank, written also when training fails.
 """
 
 import json
 import os
+import signal
 import sys
 import threading
+import time
 import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -19,10 +22,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from helpers import distributed_script_config  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 from tiny import length_reward, make_prompts, make_tokenizer  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
 
 from a3po_trl import AsyncA3POTrainer  # noqa: E402
 from a3po_trl import trainer as trainer_module  # noqa: E402
+from a3po_trl.generation.engine import GenerationEngine  # noqa: E402
 
 
 def option(name, default=None):
@@ -33,9 +37,20 @@ def main():
     out_dir, model_dir, mode = sys.argv[1:4]
     lora = "--lora" in sys.argv
     fail_rank = option("--fail-rank")
-    settings = dict(max_steps=3, use_vllm=True, vllm_mode=mode, vllm_max_model_length=256, scale_rewards="batch")
+    settings = dict(
+        max_steps=int(option("--steps", 3)),
+        use_vllm=True,
+        vllm_mode=mode,
+        vllm_max_model_length=256,
+        scale_rewards="batch",
+    )
     if mode == "server":
         settings["vllm_server_base_url"] = option("--url")
+    if "--reproducible" in sys.argv:
+        settings["reproducible_generation"] = True
+    kill_pid, kill_step = option("--kill-server"), int(option("--kill-at-step", 0))
+    if kill_pid is not None:
+        settings.update(save_strategy="steps", save_steps=1, max_staleness=1)
     args = distributed_script_config(out_dir, **settings)
     advantage_calls, local_advantages = [], []
     group_advantages = trainer_module.group_advantages
@@ -56,6 +71,7 @@ def main():
         peft_config=peft_config,
     )
     rank = trainer.accelerator.process_index
+    report = {"rank": rank, "world_size": trainer.accelerator.num_processes}
     take = trainer._take_scored_batch
 
     def recording_take():
@@ -64,6 +80,24 @@ def main():
         return data
 
     trainer._take_scored_batch = recording_take
+    batches = []  # (index, version) of every batch, as the trainer takes them
+    get = GenerationEngine.get
+
+    def recording_get(engine):
+        batch, waited = get(engine)
+        batches.append((batch.index, batch.version, engine.min_version(batch.index)))
+        return batch, waited
+
+    GenerationEngine.get = recording_get
+    if kill_pid is not None and rank == 0:
+
+        class KillServer(TrainerCallback):
+            def on_save(self, args, state, control, **kwargs):
+                if state.global_step == kill_step:
+                    os.killpg(int(kill_pid), signal.SIGKILL)
+                    report["killed_at"] = time.time()
+
+        trainer.add_callback(KillServer())
     if fail_rank is not None and rank == int(fail_rank):
         build = trainer._build_backend
 
@@ -81,7 +115,6 @@ def main():
             return backend
 
         trainer._build_backend = failing_backend
-    report = {"rank": rank, "world_size": trainer.accelerator.num_processes}
     try:
         trainer.train()
     except BaseException as error:  # noqa: BLE001 - reported to the test
@@ -89,7 +122,12 @@ def main():
         report["traceback"] = traceback.format_exc()[-3000:]
     history = trainer.state.log_history
     engine = trainer.last_generation_engine
+    shared = getattr(trainer._backend, "_shared", None)
     report.update(
+        ended_at=time.time(),
+        batches=batches,
+        shared_switches=shared.switches if shared is not None else None,
+        shared_wait_seconds=shared.wait_seconds if shared is not None else None,
         global_step=trainer.state.global_step,
         batches_consumed=engine.consumed if engine is not None else 0,
         adapter=getattr(trainer._backend, "_adapter", None),

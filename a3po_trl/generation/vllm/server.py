@@ -45,6 +45,7 @@ from .common import (
     unsupported_lora_reason,
     write_lora_adapter,
 )
+from .shared_server import SharedServerVersions
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +89,19 @@ class VLLMServerBackend(GenerationBackend):
         sampling: how to sample.
         device: where the staged weights live (the process's GPU for NCCL sync, else CPU).
         gather: ZeRO-3 gather (see :class:`GenerationBackend`).
+        shared: with full weights and several training processes, how they agree on the version the server holds
+            (see :mod:`.shared_server`); None when this process is the server's only user or loads LoRA adapters.
     """
 
-    def __init__(self, module: nn.Module, args, sampling: VLLMSamplingSettings, device: torch.device, gather=None):
+    def __init__(
+        self,
+        module: nn.Module,
+        args,
+        sampling: VLLMSamplingSettings,
+        device: torch.device,
+        gather=None,
+        shared: SharedServerVersions | None = None,
+    ):
         import requests
 
         self._requests = requests
@@ -106,6 +117,7 @@ class VLLMServerBackend(GenerationBackend):
         self._session.mount("https://", pool)
         self._pool = ThreadPoolExecutor(_MAX_CONCURRENT_REQUESTS, thread_name_prefix="a3po-vllm-request")
         self._exchange_dir = tempfile.mkdtemp(prefix="a3po-vllm-weights-")
+        self._weights_dir = os.path.join(self._exchange_dir, "weights")
         self._run_tag = uuid.uuid4().hex[:8]
         self._adapters_loaded = 0
         self._client = None
@@ -123,7 +135,14 @@ class VLLMServerBackend(GenerationBackend):
                     f"vllm_mode='server' serves LoRA adapters only, and this PEFT config cannot be one ({reason}). "
                     "Use vllm_mode='colocate' (which merges such configs), or a plain LoRA config."
                 )
-        self._nccl = self._peft_config is None and device.type == "cuda"
+        self._shared = shared
+        if shared is not None and self._peft_config is not None:
+            raise ValueError(
+                "A server shared through SharedServerVersions loads full weights; LoRA adapters are per process."
+            )
+        # NCCL needs one communicator per pushing process, which `trl vllm-serve` does not offer: a shared server
+        # loads every version from a file, whichever process loads it
+        self._nccl = self._peft_config is None and device.type == "cuda" and self._shared is None
         trainable, staging = staging_buffers(module, device if self._nccl else torch.device("cpu"))
         super().__init__(trainable, staging, gather, device)
         self._wait_for_server(args.vllm_server_timeout)
@@ -186,14 +205,56 @@ class VLLMServerBackend(GenerationBackend):
                 "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment."
             )
 
+    # ---- main thread: a shared server learns what every process has published ---------------------------------
+    def publish(self, module, version, trainer_state=None):
+        seconds = super().publish(module, version, trainer_state)
+        if self._shared is not None:
+            self._shared.published(self.published_version)
+        return seconds
+
+    def restore_weights(self, version, weights, trainer_state=None):
+        super().restore_weights(version, weights, trainer_state)
+        if self._shared is not None:
+            self._shared.published(self.published_version)
+
+    def reset(self):
+        super().reset()
+        if self._shared is not None:
+            self._shared.reset()
+
     # ---- generation thread ---------------------------------------------------------------------------------------
+    def refresh(self, exact: int | None = None) -> bool:
+        """:meth:`GenerationBackend.refresh`; on a shared server, then wait until the server holds the loaded version
+        for this process (loading it there if this process is the one to switch it, see :mod:`.shared_server`)."""
+        loaded = super().refresh(exact)
+        if self._shared is None:
+            return loaded
+        newer = None if exact is not None else (lambda: self.published_version)
+        while not self._shared.acquire(self.version, self._reload_from_file, newer):
+            if exact is not None:
+                raise RuntimeError(
+                    f"The shared vLLM server moved past version {exact}, which this process must generate its batch "
+                    "with (reproducible_generation); the processes' generation schedules disagree."
+                )
+            loaded = super().refresh() or loaded  # the server, or this process, has a newer version: take it
+        return loaded
+
+    def finish_batch(self, next_version: int | None, error: BaseException | None = None) -> None:
+        if self._shared is None:
+            return
+        if error is not None:
+            self._shared.fail(f"{type(error).__name__}: {error}")
+        self._shared.release(next_version)
+
     def load_weights(self, weights, version):
         if self._peft_config is not None:
             self._load_adapter(weights, version)
         elif self._nccl:
             self._load_over_nccl(weights)
         else:
-            self._load_from_files(weights, version)
+            self._write_weights_file(weights)
+            if self._shared is None:  # shared: loaded by refresh, when this process is the one to switch the server
+                self._reload_from_file()
 
     def _load_adapter(self, weights, version: int) -> None:
         self._adapters_loaded += 1  # unique per load and per trainer: a server outlives trainers and reloads
@@ -215,15 +276,19 @@ class VLLMServerBackend(GenerationBackend):
         client.update_named_params(metadata, iter(named))
         self._post("/reset_prefix_cache", self.sync_timeout)
 
-    def _load_from_files(self, weights, version: int) -> None:
+    def _write_weights_file(self, weights) -> None:
+        """Write a version as the checkpoint the server reloads (this process's own directory)."""
         from safetensors.torch import save_file
 
-        directory = os.path.join(self._exchange_dir, "weights")
-        os.makedirs(directory, exist_ok=True)
         tensors = {checkpoint_name(name): t.detach().contiguous() for name, t in weights.items()}
         if self._tied_head:
             tensors.pop("lm_head.weight", None)  # the checkpoint of a tied model has the embedding only
-        save_file(tensors, os.path.join(directory, "model.safetensors"))
+        os.makedirs(self._weights_dir, exist_ok=True)
+        save_file(tensors, os.path.join(self._weights_dir, "model.safetensors"))
+
+    def _reload_from_file(self) -> None:
+        """Make the server reload the version :meth:`_write_weights_file` wrote last."""
+        directory = self._weights_dir
         rpc = {"method": "reload_weights", "kwargs": {"weights_path": directory}, "timeout": self.sync_timeout}
         self._post("/collective_rpc", self.sync_timeout, json=rpc)
         if self._tied_head:
@@ -287,6 +352,8 @@ class VLLMServerBackend(GenerationBackend):
                 self._post("/v1/unload_lora_adapter", 5.0, json={"lora_name": self._adapter[0]})
             except VLLMServerError:
                 pass
+        if self._shared is not None:
+            self._shared.close()
         if self._client is not None and self._client.communicator is not None:
             try:
                 self._client.close_communicator()

@@ -68,13 +68,16 @@ def build_vllm_backend(
     gather,
     process_index: int,
     num_processes: int,
+    shared=None,
 ):
     """The vLLM backend (``use_vllm=True``), colocate or server, for the unwrapped training ``module`` with the
-    trainer's ``args`` (an :class:`~a3po_trl.AsyncA3POConfig`) and sampling settings."""
+    trainer's ``args`` (an :class:`~a3po_trl.AsyncA3POConfig`) and sampling settings. ``shared``: a
+    :class:`~a3po_trl.generation.vllm.shared_server.SharedServerVersions` when several processes share a server with
+    full weights."""
     if args.vllm_mode == "server":
         from .server import VLLMServerBackend
 
-        return VLLMServerBackend(module, args, sampling, device=device, gather=gather)
+        return VLLMServerBackend(module, args, sampling, device=device, gather=gather, shared=shared)
     from .colocate import VLLMColocateBackend
 
     if device.type == "cpu" and (args.generation_num_threads or args.training_num_threads):

@@ -1,0 +1,218 @@
+"""One full-weight vLLM server shared by several training processes: which version it holds, agreed through a store.
+
+Each training process has its own generation thread and its own published versions (the same weights on every process:
+they are published after the same optimizer step). The server holds one version at a time, so the processes agree,
+through a key-value store (the training process group's ``TCPStore``; store calls are not collectives), on which
+version it holds and when it may move on:
+
+- ``published/{rank}``: the newest version the process has published (set by its main thread);
+- ``needed/{rank}``: the oldest version the process may still generate with. While a batch is generated it is that
+  batch's version (all its turns); between batches, the next batch's exact version (``reproducible_generation``) or
+  "any" (the newest published, which is never older than what the server holds);
+- ``loaded``: the version the server holds; ``switch``: a lock held by the process that loads a new one.
+
+A process about to generate with version ``v`` (:meth:`SharedServerVersions.acquire`) writes ``needed = v``, then
+uses the server if it holds ``v`` and nobody is switching. If it holds an older version, the process takes the lock
+and, when every process has published ``v`` and none needs an older version any more, loads ``v`` itself (the file +
+reload path; every process's copy of ``v`` is the same) and releases the lock. Writing ``needed`` before reading the
+lock, and taking the lock before reading ``needed``, is the two-flag handshake that keeps a switch from slipping
+between another process's check and its requests. Versions on the server only move forward; every process that
+finds the server past the version it loaded has published a newer one (a switch needs every process's publication),
+and loads that instead.
+
+A process waits only for what it needs: the other processes' batches of an older version to finish (their
+generation, tool calls and rewards, as with one process the next batch waits for the previous one), and for every
+process to publish the version (they publish right after the same optimizer step). Nothing waits on a timer: a
+process that failed or closed its backend is reported through the store (``failed``, ``closed/{rank}``), and one that
+died is noticed by its heartbeat (``alive/{rank}``, advanced every second by a thread) stopping, so the others fail
+within ``liveness_timeout`` seconds with an error that names it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+#: ``needed`` of a process that may generate with any version (between batches, when it takes the newest).
+ANY_VERSION = 2**62
+
+
+class SharedServerError(RuntimeError):
+    """Another training process sharing the vLLM server failed, stopped, or stopped answering."""
+
+
+class SharedServerVersions:
+    """The version a shared vLLM server holds, agreed among the training processes (see the module doc).
+
+    Args:
+        store: a ``torch.distributed.Store`` every process reaches, private to this run (a ``PrefixStore``).
+        rank: this process's index; ``world_size``: how many processes share the server.
+        poll_interval: seconds between looks at the store while waiting.
+        heartbeat_interval: seconds between this process's heartbeats.
+        liveness_timeout: seconds without a heartbeat after which a process that is waited for is declared dead.
+    """
+
+    def __init__(
+        self,
+        store,
+        rank: int,
+        world_size: int,
+        poll_interval: float = 0.01,
+        heartbeat_interval: float = 1.0,
+        liveness_timeout: float = 15.0,
+    ):
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.poll_interval = poll_interval
+        self.liveness_timeout = liveness_timeout
+        self.switches = 0
+        """Versions this process loaded into the server."""
+        self.wait_seconds = 0.0
+        """Seconds this process's generation waited for the server to hold its version (switches included)."""
+        self._round = 0
+        self._closed = threading.Event()
+        self._heartbeat_interval = heartbeat_interval
+        self._last_beat: dict[int, tuple[int, float]] = {}
+        self.store.add(f"alive/{rank}", 1)
+        self._heartbeat = threading.Thread(target=self._beat, name=f"a3po-server-heartbeat-{rank}", daemon=True)
+        self._heartbeat.start()
+
+    # ---- keys ------------------------------------------------------------------------------------------------------
+    def _key(self, name: str) -> str:
+        return f"round{self._round}/{name}"
+
+    def _get_int(self, name: str, missing: int = -1) -> int:
+        key = self._key(name)
+        if not self.store.check([key]):
+            return missing
+        return int(self.store.get(key))
+
+    def _set_int(self, name: str, value: int) -> None:
+        self.store.set(self._key(name), str(value))
+
+    # ---- main thread -----------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Start a new round (every process together, when training starts or resumes: versions may go back): what
+        the server holds is unknown, and it is loaded again before the first batch."""
+        self._round += 1
+
+    def published(self, version: int) -> None:
+        """This process has published ``version`` (its newest)."""
+        self._set_int(f"published/{self.rank}", version)
+
+    # ---- generation thread -----------------------------------------------------------------------------------------
+    def acquire(self, version: int, load: Callable[[], None], newer: Callable[[], int] | None = None) -> bool:
+        """Make the server hold ``version`` for this process's next requests, loading it with ``load()`` if this
+        process is the one to switch it. Returns False, without holding anything, if the server moved past
+        ``version`` or (``newer`` given) this process published a newer version meanwhile: the caller loads its
+        newest and asks again. Raises :class:`SharedServerError` if a process it waits for failed or died."""
+        start = time.perf_counter()
+        try:
+            while True:
+                self._check_failed()
+                self._set_int(f"needed/{self.rank}", version)
+                holder = self._lock_holder()
+                if holder is not None:
+                    self._check_alive([holder], version)  # a process that died while switching holds the lock
+                else:
+                    loaded = self._get_int("loaded")
+                    if loaded == version:
+                        return True
+                    if loaded > version:
+                        self._set_int(f"needed/{self.rank}", loaded)
+                        return False
+                    if self._try_switch(version, load):
+                        return True
+                if newer is not None and newer() > version:
+                    return False
+                time.sleep(self.poll_interval)
+        finally:
+            self.wait_seconds += time.perf_counter() - start
+
+    def release(self, next_version: int | None) -> None:
+        """The batch is done: this process will next generate with exactly ``next_version``, or (None) its newest."""
+        self._set_int(f"needed/{self.rank}", ANY_VERSION if next_version is None else next_version)
+
+    def fail(self, reason: str) -> None:
+        """Tell the other processes that this one's generation failed (they stop waiting for it and fail too)."""
+        if not self.store.check(["failed"]):
+            self.store.set("failed", f"process {self.rank}: {reason}")
+
+    def close(self) -> None:
+        """This process no longer uses the server (idempotent)."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        try:
+            self.store.set(f"closed/{self.rank}", "1")
+        except Exception:  # noqa: BLE001 - the store's host may be gone at teardown
+            pass
+
+    # ---- internals -------------------------------------------------------------------------------------------------
+    def _lock_holder(self) -> int | None:
+        key = self._key("switch")
+        if not self.store.check([key]):
+            return None
+        holder = self.store.get(key).decode()
+        return int(holder) if holder else None
+
+    def _try_switch(self, version: int, load: Callable[[], None]) -> bool:
+        """Take the switch lock; if every process has published ``version`` and none needs an older one, load it."""
+        key, me = self._key("switch"), str(self.rank)
+        if self.store.compare_set(key, "", me).decode() != me:
+            return False
+        try:
+            if self._get_int("loaded") >= version:
+                return False
+            blockers = [
+                rank
+                for rank in range(self.world_size)
+                if self._get_int(f"published/{rank}") < version
+                or (rank != self.rank and self._get_int(f"needed/{rank}") < version)
+            ]
+            if blockers:
+                self._check_alive(blockers, version)
+                return False
+            load()
+            self._set_int("loaded", version)
+            self.switches += 1
+            return True
+        finally:
+            self.store.set(key, "")
+
+    def _check_failed(self) -> None:
+        if self.store.check(["failed"]):
+            raise SharedServerError(
+                f"A training process sharing the vLLM server failed ({self.store.get('failed').decode()}); this "
+                "process stops generating too."
+            )
+
+    def _check_alive(self, ranks: list[int], version: int) -> None:
+        """Raise if a process this one waits for (to publish ``version`` or finish with an older one) closed its
+        backend or stopped beating."""
+        now = time.monotonic()
+        for rank in ranks:
+            if self.store.check([f"closed/{rank}"]):
+                raise SharedServerError(
+                    f"Training process {rank} stopped using the vLLM server while this process waits for it to "
+                    f"publish or finish with weights older than version {version}; see its log."
+                )
+            beat = int(self.store.add(f"alive/{rank}", 0))
+            last = self._last_beat.get(rank)
+            if last is None or last[0] != beat:
+                self._last_beat[rank] = (beat, now)
+            elif now - last[1] > self.liveness_timeout:
+                raise SharedServerError(
+                    f"Training process {rank} has not answered for {now - last[1]:.0f} s (no heartbeat) while this "
+                    f"process waits for it to publish or finish with weights older than version {version}; it "
+                    "probably died: see its log."
+                )
+
+    def _beat(self) -> None:
+        while not self._closed.wait(self._heartbeat_interval):
+            try:
+                self.store.add(f"alive/{self.rank}", 1)
+            except Exception:  # noqa: BLE001 - the store's host is gone: the run is ending
+                return

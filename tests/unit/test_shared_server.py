@@ -1,0 +1,231 @@
+"""The agreement of several training processes on the version a shared vLLM server holds
+(:mod:`a3po_trl.generation.vllm.shared_server`), with threads standing for the processes and a ``HashStore`` for the
+process group's store."""
+
+import random
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from a3po_trl.generation.vllm.shared_server import SharedServerError, SharedServerVersions
+
+
+class FakeServer:
+    """Records every load; a request checks that the server still holds the version it was sent for."""
+
+    def __init__(self):
+        self.version = -1
+        self.loads: list[int] = []
+        self.violations: list[str] = []
+        self.lock = threading.Lock()
+
+    def loader(self, version):
+        def load():
+            time.sleep(random.uniform(0, 0.004))  # a reload takes time, during which nobody may generate
+            with self.lock:
+                self.version = version
+                self.loads.append(version)
+
+        return load
+
+    def generate(self, rank, version):
+        for _ in range(3):  # several requests (or turns), all of which must see the version
+            if self.version != version:
+                self.violations.append(f"rank {rank} generated with {self.version}, holding {version}")
+            time.sleep(random.uniform(0, 0.003))
+
+
+def run_processes(world_size, num_batches, min_version, exact, publish_delay=0.004, seed=0):
+    """Every process generates ``num_batches`` batches, batch ``i`` with at least ``min_version(i)`` (exactly, when
+    ``exact``); the processes publish version ``v`` at about ``v * publish_delay`` seconds, each with its own skew."""
+    random.seed(seed)
+    store, server = dist.HashStore(), FakeServer()
+    coordinators = [SharedServerVersions(store, rank, world_size, poll_interval=0.0005) for rank in range(world_size)]
+    published = [-1] * world_size
+    used: dict[int, list[int]] = {rank: [] for rank in range(world_size)}
+    errors: list[BaseException] = []
+    last_version = min_version(num_batches - 1)
+
+    def trainer(rank):
+        for version in range(last_version + 1):
+            time.sleep(random.uniform(0, 2 * publish_delay))
+            published[rank] = version
+            coordinators[rank].published(version)
+
+    def generator(rank):
+        coordinator = coordinators[rank]
+        try:
+            for index in range(num_batches):
+                needed = min_version(index)
+                while published[rank] < needed:
+                    time.sleep(0.0005)
+                version = needed if exact else published[rank]
+                newer = None if exact else (lambda: published[rank])
+                while not coordinator.acquire(version, server.loader(version), newer):
+                    assert not exact
+                    version = published[rank]
+                server.generate(rank, version)
+                used[rank].append(version)
+                following = min_version(index + 1) if exact and index + 1 < num_batches else None
+                coordinator.release(following)
+        except BaseException as error:  # noqa: BLE001 - reported by the test
+            errors.append(error)
+
+    threads = [threading.Thread(target=trainer, args=(r,)) for r in range(world_size)]
+    threads += [threading.Thread(target=generator, args=(r,)) for r in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads), "a process is still waiting: deadlock"
+    for coordinator in coordinators:
+        coordinator.close()
+    assert not errors, errors
+    return server, used
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_batch_of_every_process_is_generated_by_the_version_it_holds(world_size, seed):
+    """Newest-version mode: the server switches only forward, never under another process's requests, and each
+    version is loaded at most once however the processes interleave."""
+    server, used = run_processes(world_size, 12, lambda i: max(0, i - 1), exact=False, seed=seed)
+    assert not server.violations, server.violations[:3]
+    assert server.loads == sorted(set(server.loads))  # forward only, each version once
+    for versions in used.values():
+        assert versions == sorted(versions)
+        assert all(v >= max(0, i - 1) for i, v in enumerate(versions))  # within the staleness bound
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_reproducible_runs_generate_every_batch_with_exactly_its_scheduled_version(seed):
+    schedule = [0, 0, 1, 1, 2, 3, 3, 4, 5, 5]
+    server, used = run_processes(2, len(schedule), lambda i: schedule[i], exact=True, seed=seed)
+    assert not server.violations, server.violations[:3]
+    assert used == {0: schedule, 1: schedule}
+    assert server.loads == sorted(set(schedule))
+
+
+def test_a_process_past_a_version_is_not_switched_back_to_it():
+    """A process that loaded an old version while the others moved the server on loads its newest instead."""
+    store, server = dist.HashStore(), FakeServer()
+    a, b = (SharedServerVersions(store, rank, 2) for rank in range(2))
+    for coordinator in (a, b):
+        coordinator.published(0)
+        coordinator.release(None)  # between batches: will take the newest
+    assert a.acquire(0, server.loader(0))
+    a.release(None)
+    for coordinator in (a, b):
+        coordinator.published(1)
+    assert b.acquire(1, server.loader(1))
+    assert not a.acquire(0, server.loader(0))  # the server holds 1: a must load 1
+    assert a.acquire(1, server.loader(1))
+    assert server.loads == [0, 1]
+
+
+def wait_in_thread(coordinator, version, load):
+    outcome = {}
+
+    def run():
+        start = time.monotonic()
+        try:
+            coordinator.acquire(version, load)
+        except BaseException as error:  # noqa: BLE001
+            outcome["error"] = error
+        outcome["seconds"] = time.monotonic() - start
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
+def blocked_pair(liveness_timeout=15.0):
+    """Process 0 waits to switch to version 1 while process 1, which published only version 0, holds version 0."""
+    store, server = dist.HashStore(), FakeServer()
+    waiting = SharedServerVersions(store, 0, 2, liveness_timeout=liveness_timeout, heartbeat_interval=0.1)
+    holding = SharedServerVersions(store, 1, 2, liveness_timeout=liveness_timeout, heartbeat_interval=0.1)
+    for coordinator in (waiting, holding):
+        coordinator.published(0)
+        coordinator.release(None)
+    assert holding.acquire(0, server.loader(0))
+    waiting.published(1)
+    return waiting, holding, server
+
+
+def test_a_failure_in_the_process_waited_for_fails_the_waiting_process_naming_it():
+    waiting, holding, server = blocked_pair()
+    thread, outcome = wait_in_thread(waiting, 1, server.loader(1))
+    time.sleep(0.3)
+    assert thread.is_alive()  # waits for process 1 to finish with version 0
+    holding.fail("RuntimeError: engine failure")
+    thread.join(5)
+    assert not thread.is_alive()
+    assert isinstance(outcome["error"], SharedServerError)
+    assert "process 1: RuntimeError: engine failure" in str(outcome["error"])
+    assert server.loads == [0]
+
+
+def test_a_process_that_closed_or_died_fails_the_waiting_one_within_seconds():
+    waiting, holding, server = blocked_pair()
+    thread, outcome = wait_in_thread(waiting, 1, server.loader(1))
+    holding.close()
+    thread.join(5)
+    assert "Training process 1 stopped using the vLLM server" in str(outcome["error"])
+
+    waiting, holding, server = blocked_pair(liveness_timeout=1.0)
+    holding._closed.set()  # its heartbeat stops, as when the process is killed, without saying it closed
+    thread, outcome = wait_in_thread(waiting, 1, server.loader(1))
+    thread.join(10)
+    assert "Training process 1 has not answered" in str(outcome["error"])
+    assert 1.0 <= outcome["seconds"] < 5
+
+
+def test_a_new_round_loads_the_server_again_and_may_go_back_in_versions():
+    """A resumed run (every process resets together) may start from an older version than the server holds."""
+    store, server = dist.HashStore(), FakeServer()
+    a, b = (SharedServerVersions(store, rank, 2) for rank in range(2))
+    for coordinator in (a, b):
+        coordinator.published(5)
+        coordinator.release(None)
+    assert a.acquire(5, server.loader(5))
+    a.release(None)
+    for coordinator in (a, b):
+        coordinator.reset()
+        coordinator.published(2)
+        coordinator.release(None)
+    assert b.acquire(2, server.loader(2)) and a.acquire(2, server.loader(2))
+    assert server.loads == [5, 2]
+
+
+def test_a_process_does_not_use_the_held_version_while_another_switches_the_server_away_from_it():
+    """The race the two-flag handshake closes: process 1 (between batches, so it blocked nobody) loaded version 0,
+    which the server holds, while process 0 already switches the server to version 1; process 1 must not send
+    requests for version 0, and takes version 1 once the switch is done."""
+    store, server = dist.HashStore(), FakeServer()
+    a, b = (SharedServerVersions(store, rank, 2) for rank in range(2))
+    for coordinator in (a, b):
+        coordinator.published(0)
+        coordinator.release(None)
+    assert a.acquire(0, server.loader(0))
+    a.release(None)
+    for coordinator in (a, b):
+        coordinator.published(1)
+    loading, finish = threading.Event(), threading.Event()
+
+    def slow_load():
+        loading.set()
+        finish.wait(10)
+        server.loader(1)()
+
+    switcher, _ = wait_in_thread(a, 1, slow_load)
+    assert loading.wait(5)  # process 0 holds the lock and loads version 1
+    outcome = {}
+    late = threading.Thread(target=lambda: outcome.update(held=b.acquire(0, server.loader(0), newer=lambda: 1)))
+    late.start()
+    late.join(5)
+    assert outcome == {"held": False}  # not version 0 under the switch: the caller loads its newest, version 1
+    finish.set()
+    switcher.join(5)
+    assert b.acquire(1, server.loader(1)) and server.loads == [0, 1]
