@@ -124,6 +124,15 @@ class AsyncA3POConfig(GRPOConfig):
 
         > Parameters that control the vLLM backend (`use_vllm=True`; GRPOConfig's `vllm_*` fields keep their meaning)
 
+        With several training processes (`accelerate launch`), `vllm_mode="colocate"` runs an engine in every process
+        and `vllm_mode="server"` shares one server: with LoRA each process loads its own adapter per version; with
+        full weights the server holds one version at a time, which the processes agree on (the first process that
+        needs the next version loads it, once every process has published it and none still generates with the
+        previous one). Staleness is what one process gets: the bound (`max_staleness`) and the choice of version
+        (the newest published when a batch starts, or the scheduled one with `reproducible_generation`) do not
+        change; what sharing adds is waiting, as a process that needs the next version waits for the other
+        processes' batches of the previous one (`benchmarks/backends.py --processes 2` reports it per step).
+
         weight_sync_timeout (`float`, *optional*, defaults to `300.0`):
             Seconds loading one weight version into a vLLM server may take (an adapter load, a weight reload, a cache
             reset); past it the batch fails and the error reaches `train()`, instead of a hang.

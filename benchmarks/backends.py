@@ -8,6 +8,10 @@ behavior/trainer log-prob mismatch of the backend. Runs in the vLLM environment 
     .venv-vllm/bin/python benchmarks/backends.py --backends generate,vllm-colocate,vllm-server --lora
 
 ``--device cuda`` runs the same on a GPU (colocate on the training GPU; the server on ``--server-device``).
+``--processes N`` runs each backend under ``accelerate launch`` with N training processes (DDP; on CPU, N gloo
+processes): each process generates its own batch (``--batch`` completions) with its own engine (colocate) or through
+the one server they share (full weights: the processes agree on the version it holds; LoRA: an adapter each).
+Tokens/s then counts every process's completions.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--server-device", default="1", help="CUDA_VISIBLE_DEVICES of the server with --device cuda")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--processes", type=int, default=1, help="training processes (accelerate launch, DDP)")
     parser.add_argument("--out", default=None, help="JSON file for the results (a .md table is written beside it)")
     parser.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--server-url", default=None, help=argparse.SUPPRESS)
@@ -77,7 +82,7 @@ def _start_server(options, model_dir: str, log_path: Path):
     else:
         env["CUDA_VISIBLE_DEVICES"] = options.server_device
     if options.lora:
-        command += ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "2"]
+        command += ["--enable-lora", "--max-lora-rank", "16", "--max-loras", str(2 * options.processes)]
     log = open(log_path, "w")
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -95,6 +100,19 @@ def _start_server(options, model_dir: str, log_path: Path):
             pass
         time.sleep(2)
     raise RuntimeError("the vLLM server did not come up within 600 s")
+
+
+def _launch_config(options) -> str:
+    """An accelerate config for ``--processes`` DDP processes on this machine (on CPU, gloo with ``use_cpu``)."""
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="a3po-backends-")) / "accelerate.yaml"
+    path.write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\n"
+        f"num_processes: {options.processes}\ngpu_ids: all\nmixed_precision: 'no'\nnum_machines: 1\n"
+        f"machine_rank: 0\nmain_process_port: {_free_port()}\n"
+    )
+    return str(path)
 
 
 def _run_one(options) -> dict:
@@ -154,7 +172,12 @@ def _run_one(options) -> dict:
     mismatch = [
         h["a3po/behavior_mismatch_max"] for h in trainer.state.log_history if "a3po/behavior_mismatch_max" in h
     ]
+    shared = getattr(trainer._backend, "_shared", None)  # a full-weight server shared by several processes
     return {
+        "processes": trainer.accelerator.num_processes,
+        "staleness_mean": mean("a3po/staleness_mean"),
+        "shared_server_wait_seconds_per_step": shared.wait_seconds / options.steps if shared is not None else None,
+        "shared_server_switches": shared.switches if shared is not None else None,
         "backend": backend,
         "seconds_per_step": step,
         "generation_seconds_per_batch": generation,
@@ -174,11 +197,12 @@ def _table(results: list[dict], meta: dict) -> str:
     lines = [
         f"Backends, {meta['model']} ({'LoRA r=16' if meta['lora'] else 'full weights'}), {meta['batch']} completions "
         f"x {meta['max_completion_length']} tokens per step, {meta['steps']} steps ({meta['warmup']} warm-up left "
-        f"out), {meta['threads']} thread(s) per process, device {meta['device']}, load before: {meta['load']}.",
+        f"out), {meta['threads']} thread(s) per process, device {meta['device']}, "
+        f"{meta.get('processes', 1)} training process(es), load before: {meta['load']}.",
         "",
         "| backend | tokens/s | s/step | generation s/batch | training s/step | ideal | ratio | version load s "
-        "| mismatch max |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| mismatch max | staleness mean | shared-server wait s/step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         mismatch = f"{r['behavior_mismatch_max']:.1e}" if r["behavior_mismatch_max"] is not None else "-"
@@ -186,17 +210,26 @@ def _table(results: list[dict], meta: dict) -> str:
         lines.append(
             f"| {r['backend']} | {r['generation_tokens_per_second']:.1f} | {r['seconds_per_step']:.2f} | "
             f"{r['generation_seconds_per_batch']:.2f} | {r['training_seconds_per_step']:.2f} | "
-            f"{r['pipelining_ideal']:.2f} | {r['ratio_to_ideal']:.2f} | {load} | {mismatch} |"
+            f"{r['pipelining_ideal']:.2f} | {r['ratio_to_ideal']:.2f} | {load} | {mismatch} | "
+            f"{_number(r.get('staleness_mean'))} | {_number(r.get('shared_server_wait_seconds_per_step'))} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _number(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def main() -> None:
     options = _parser().parse_args()
     if options.run_one:
-        print("A3PO_RESULT " + json.dumps(_run_one(options)), flush=True)
+        result = _run_one(options)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("A3PO_RESULT " + json.dumps(result), flush=True)
         return
     meta = {k: getattr(options, k) for k in ("model", "lora", "batch", "max_completion_length", "steps", "warmup")}
+    if options.processes > 1:
+        meta["processes"] = options.processes
     meta.update(threads=options.threads, device=options.device, load=os.getloadavg()[0])
     results = []
     for backend in options.backends.split(","):
@@ -211,9 +244,12 @@ def main() -> None:
         if options.device == "cuda" and backend == "vllm-server":
             env["CUDA_VISIBLE_DEVICES"] = "0"
         print(f"[backends] {backend} ...", flush=True)
+        launcher = [sys.executable]
+        if options.processes > 1:
+            launcher += ["-m", "accelerate.commands.launch", "--config_file", _launch_config(options)]
         try:
             out = subprocess.run(
-                [sys.executable, __file__, *sys.argv[1:], "--run-one", backend, *extra],
+                [*launcher, __file__, *sys.argv[1:], "--run-one", backend, *extra],
                 env=env, capture_output=True, text=True, check=False,
             )  # fmt: skip
         finally:

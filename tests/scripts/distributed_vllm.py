@@ -80,12 +80,13 @@ def main():
         return data
 
     trainer._take_scored_batch = recording_take
-    batches = []  # (index, version) of every batch, as the trainer takes them
+    batches = []  # (index, version, oldest allowed version, completion ids) of every batch, as the trainer takes them
     get = GenerationEngine.get
 
     def recording_get(engine):
         batch, waited = get(engine)
-        batches.append((batch.index, batch.version, engine.min_version(batch.index)))
+        completions = batch.tensors["completion_ids"].tolist()
+        batches.append((batch.index, batch.version, engine.min_version(batch.index), completions))
         return batch, waited
 
     GenerationEngine.get = recording_get
