@@ -1,0 +1,98 @@
+"""FSDP2 on two CPU processes (gloo) under `accelerate launch`, with `examples/accelerate_configs/fsdp2.yaml`.
+
+accelerate keeps FSDP off on CPU-only machines; the launched script (tests/scripts/fsdp2_tiny.py) turns it on with
+tests/fsdp_cpu.py, so the Trainer really shards the model with ``fully_shard`` (checked: DTensor parameters, a local
+shard smaller than the parameter) and takes accelerate's FSDP2 paths for checkpoints. docs/FSDP2.md says why and how.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from helpers import free_port
+
+from a3po_trl.validation import check_trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "fsdp2_tiny.py")
+EXAMPLE = os.path.join(ROOT, "examples", "accelerate_configs", "fsdp2.yaml")
+LOGPS_TOLERANCE = 1e-6
+"""Largest difference (nats per token) allowed between the generator's and the training forward's log-probs of the
+same completion at the same version: both run in fp32 on the same whole weights (measured here: 0.0)."""
+
+
+def _launch(tmp_path, *flags):
+    config = yaml.safe_load(open(EXAMPLE))
+    config.update(mixed_precision="no", main_process_port=free_port())  # bf16 needs a GPU
+    (tmp_path / "fsdp2.yaml").write_text(yaml.safe_dump(config))
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "fsdp2.yaml")]
+    result = subprocess.run(
+        [*cmd, SCRIPT, str(out), *flags], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    assert "terminate called" not in result.stderr, result.stderr[-6000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_generator_follows_the_sharded_trainer_version_by_version(tmp_path, lora):
+    reports = _launch(tmp_path, *(["--lora"] if lora else []))
+    assert {r["rank"] for r in reports} == {0, 1}
+    for r in reports:
+        # really FSDP2: the Trainer sharded the parameters (all but 1-2 small ones split over both processes)
+        assert r["distributed_type"] == "DistributedType.FSDP" and r["is_fsdp_enabled"] and r["is_fsdp2"]
+        assert r["sharded_parameters"] >= r["parameters"] - 2
+        assert r["global_step"] == r["generator_version"] == r["batches_consumed"] == 4
+        assert r["generator_matches_trainer"]  # every trainable weight equal to the gathered training weight
+        assert 0 <= r["max_staleness_seen"] <= 1
+        # the generator's log-probs of a fixed completion, right after it loaded each version (in its thread), and
+        # after the last one, equal the training forward's at that version
+        diffs = {int(v): d for v, d in r["logps_max_abs_diff"].items()}
+        assert 0 in diffs and 4 in diffs and len(diffs) >= 3, diffs
+        assert max(diffs.values()) <= LOGPS_TOLERANCE, diffs
+        assert r["trainer_logps_change"] > 1e-3  # the versions differ: the comparison is not trivial
+        if lora:
+            assert r["copied_parameters"] == 896  # the adapter only (q_proj, v_proj at r=4 on 2 layers)
+    if lora:
+        main = reports[0]
+        assert "adapter_model.safetensors" in main["adapter_files"] and "adapter_config.json" in main["adapter_files"]
+        assert main["adapter_tensors"] == 8 and main["adapter_equals_generator"]
+        assert main["adapter_logps_max_abs_diff"] <= 1e-5  # PeftModel.from_pretrained's own (unfused) forward
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_reproducible_run_resumes_from_a_sharded_checkpoint_bit_for_bit(tmp_path, lora):
+    """reproducible_generation: a run stopped after its checkpoint at step 2 and resumed from it (from other initial
+    trainable weights) logs the same losses, rewards and versions after step 2 as the uninterrupted run, and ends with
+    the same weights, bit for bit."""
+    reports = _launch(tmp_path, "--resume", *(["--lora"] if lora else []))
+    for r in reports:
+        assert "pytorch_model_fsdp_0" in r["checkpoint_files"] and "optimizer_0" in r["checkpoint_files"]
+        assert "a3po_generator_versions.pt" in r["checkpoint_files"]
+        assert r["loaded_weights_differ_from_init"] and r["loaded_weights_equal_stopped"]
+        assert r["resumed"] == r["uninterrupted"]
+        assert len(r["resumed"]["loss"]) == 2
+        assert r["final_weights_equal"]
+
+
+@pytest.mark.parametrize(
+    "fsdp2, use_vllm, message",
+    [(False, False, "fsdp_version: 2"), (True, True, "use_vllm=True under FSDP2 is not supported yet")],
+    ids=["fsdp1", "fsdp2-vllm"],
+)
+def test_fsdp1_and_vllm_under_fsdp2_are_refused_with_the_fix(fsdp2, use_vllm, message):
+    """What the trainer refuses once accelerate has set FSDP up (a stand-in for the constructed trainer: accelerate
+    cannot turn FSDP1 on without a GPU)."""
+    trainer = SimpleNamespace(
+        _is_vlm=False, is_fsdp_enabled=True, accelerator=SimpleNamespace(is_fsdp2=fsdp2), _use_vllm_backend=use_vllm
+    )
+    with pytest.raises(NotImplementedError, match=message):
+        check_trainer(trainer)
