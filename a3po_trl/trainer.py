@@ -259,15 +259,18 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """As Trainer's, and under FSDP2 (whatever the plugin's ``state_dict_type``) a normal model or PEFT adapter
         built from every process's shards: the whole tensors are gathered on every process together (called on all
-        of them, as Trainer's own is), written by the main process. Under LoRA only the trainable (adapter) tensors
-        are gathered."""
+        of them, as Trainer's own is), written by the main process. Under PEFT only the adapters' tensors (every
+        adapter's, e.g. TRL's frozen ``ref`` copy too) and whatever else is trainable are gathered."""
         if not uses_fsdp2(self):
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         model = self._unwrapped_model()
         if hasattr(model, "peft_config"):
-            trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-            state_dict = {name: t.to("cpu", copy=True) for name, t in weight_gather(self).full_tensors(trainable)}
+            adapters = set(model.peft_config)
+            wanted = [
+                (name, p) for name, p in model.named_parameters() if p.requires_grad or adapters & set(name.split("."))
+            ]
+            state_dict = {name: t.to("cpu", copy=True) for name, t in weight_gather(self).full_tensors(wanted)}
         else:
             state_dict = self.accelerator.get_state_dict(self.model)  # full, on the main process, in CPU memory
         self._save(output_dir, state_dict=state_dict)
