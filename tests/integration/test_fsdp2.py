@@ -69,6 +69,24 @@ def test_generator_follows_the_sharded_trainer_version_by_version(tmp_path, lora
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_reference_reward_model_recompute_and_evaluation_run_sharded(tmp_path, lora):
+    """What runs sharded in the main thread of every process: the reference forward (beta > 0: a sharded reference
+    model, or the adapter-disabled policy under LoRA), a reward model given as a module (FSDP2 shards it too, so it is
+    scored in the main thread, not the generation thread), the recompute forward (prox_logp_method="metrics") and
+    GRPOTrainer's evaluation."""
+    reports = _launch(tmp_path, "--extras", *(["--lora"] if lora else []))
+    for r in reports:
+        assert r["is_fsdp2"] and r["global_step"] == r["generator_version"] == 4
+        assert r["generator_matches_trainer"] and max(r["logps_max_abs_diff"].values()) <= LOGPS_TOLERANCE
+        assert r["ref_model"] == (None if lora else "FSDPLlamaForCausalLM")
+        assert r["reward_model_threads"] == ["MainThread"]
+        for key in ("kl", "a3po/approx_logp_abs_error", "eval_loss", "eval_reward"):
+            assert key in r["logged_keys"], key
+    if lora:  # TRL's frozen "ref" adapter is saved too, with its own (untrained) weights
+        assert reports[0]["ref_adapter_saved"] and reports[0]["adapter_equals_generator"]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_reproducible_run_resumes_from_a_sharded_checkpoint_bit_for_bit(tmp_path, lora):
     """reproducible_generation: a run stopped after its checkpoint at step 2 and resumed from it (from other initial
     trainable weights) logs the same losses, rewards and versions after step 2 as the uninterrupted run, and ends with

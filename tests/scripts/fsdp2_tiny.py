@@ -1,6 +1,6 @@
 """Train a tiny model under FSDP2 on two CPU processes and write one JSON report per rank (used by test_fsdp2.py).
 
-accelerate launch --config_file FSDP2_CONFIG tests/scripts/fsdp2_tiny.py OUT_DIR [--lora] [--resume]
+accelerate launch --config_file FSDP2_CONFIG tests/scripts/fsdp2_tiny.py OUT_DIR [--lora] [--resume] [--extras]
 
 accelerate keeps FSDP off on a CPU-only machine; ``force_fsdp_on_cpu`` (tests/fsdp_cpu.py, docs/FSDP2.md) turns it on,
 so the Trainer shards the model with ``fully_shard`` over gloo as it would on GPUs.
@@ -11,12 +11,15 @@ completion with the training forward's at that version (computed after each opti
 With ``--lora`` the main process saves the adapter with ``save_model()`` and loads it with
 ``PeftModel.from_pretrained``. With ``--resume`` (``reproducible_generation``) a second run is stopped after its
 checkpoint at step 2 and resumed from it by a third, started from other weights: the report holds both runs' logs after
-step 2 and whether their final weights are equal.
+step 2 and whether their final weights are equal. With ``--extras`` the run adds what runs sharded in the main thread:
+a reference model (``beta > 0``; from a saved copy of the base, or the adapter-disabled model under LoRA), a reward
+model given as a module, ``prox_logp_method="metrics"`` (a recompute forward per batch) and evaluation.
 """
 
 import json
 import os
 import sys
+import threading
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -26,7 +29,7 @@ force_fsdp_on_cpu()
 
 import torch  # noqa: E402
 from helpers import StopAt, distributed_script_config, generator_matches, logged_after  # noqa: E402
-from tiny import length_reward, make_model, make_prompts, make_tokenizer  # noqa: E402
+from tiny import length_reward, make_model, make_prompts, make_reward_model, make_tokenizer  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from a3po_trl import AsyncA3POTrainer  # noqa: E402
@@ -95,11 +98,12 @@ def record_generator_logps(trainer, fixed, by_version):
     trainer._build_backend = recording_build
 
 
-def make(out_dir, tokenizer, lora, seed=0, **overrides):
+def make(out_dir, tokenizer, lora, seed=0, reward_funcs=(length_reward,), model=None, **overrides):
     """The trainer; ``seed`` draws the trainable weights' initial values (under LoRA the adapter's: the base model is
     the same pretrained one in every run, and a resume loads the adapter only)."""
+    extra = {k: overrides.pop(k) for k in ("eval_dataset", "reward_processing_classes") if k in overrides}
     args = distributed_script_config(out_dir, max_steps=MAX_STEPS, **overrides)
-    model = make_model(tokenizer, seed=0 if lora else seed)
+    model = model if model is not None else make_model(tokenizer, seed=0 if lora else seed)
     if lora:
         from peft import get_peft_model
 
@@ -107,11 +111,35 @@ def make(out_dir, tokenizer, lora, seed=0, **overrides):
         model = get_peft_model(model, lora_config())
     return AsyncA3POTrainer(
         model=model,
-        reward_funcs=[length_reward],
+        reward_funcs=list(reward_funcs),
         args=args,
         train_dataset=make_prompts(32),
         processing_class=tokenizer,
+        **extra,
     )
+
+
+def extras(out_dir, tokenizer, lora):
+    """The settings and the reward-model thread log of an ``--extras`` run."""
+    from transformers import AutoModelForCausalLM
+
+    base_dir = os.path.join(out_dir, f"base-rank{os.environ['RANK']}")
+    make_model(tokenizer).save_pretrained(base_dir)  # a path, for GRPOTrainer to load the reference model from
+    reward_model = make_reward_model(tokenizer)
+    threads = []
+    reward_model.register_forward_pre_hook(lambda *args: threads.append(threading.current_thread().name))
+    settings = dict(
+        beta=0.04,
+        prox_logp_method="metrics",
+        reward_funcs=(length_reward, reward_model),
+        reward_processing_classes=[None, tokenizer],
+        eval_dataset=make_prompts(4),
+        eval_strategy="steps",
+        eval_steps=2,
+        per_device_eval_batch_size=4,
+        model=AutoModelForCausalLM.from_pretrained(base_dir) if lora else base_dir,
+    )
+    return settings, threads
 
 
 def full_weights(trainer):
@@ -120,11 +148,12 @@ def full_weights(trainer):
     return {name: t.to("cpu", copy=True) for name, t in weight_gather(trainer).full_tensors(params)}
 
 
-def train_and_check(out_dir, tokenizer, lora):
+def train_and_check(out_dir, tokenizer, lora, with_extras=False):
     from torch.distributed.tensor import DTensor
 
     fixed = fixed_completion(tokenizer)
-    trainer = make(out_dir, tokenizer, lora)
+    settings, reward_model_threads = extras(out_dir, tokenizer, lora) if with_extras else ({}, [])
+    trainer = make(out_dir, tokenizer, lora, **settings)
     trainer_logps, generator_logps = TrainerLogps(trainer, fixed), {}
     trainer.add_callback(trainer_logps)
     record_generator_logps(trainer, fixed, generator_logps)
@@ -156,6 +185,9 @@ def train_and_check(out_dir, tokenizer, lora):
             h["a3po/staleness_max"] for h in trainer.state.log_history if "a3po/staleness_max" in h
         ),
         "batches_consumed": trainer.last_generation_engine.consumed,
+        "reward_model_threads": sorted(set(reward_model_threads)),
+        "ref_model": type(trainer.ref_model).__name__ if trainer.ref_model is not None else None,
+        "logged_keys": sorted({key for h in trainer.state.log_history for key in h}),
     }
     if lora:
         report.update(check_saved_adapter(trainer, out_dir, tokenizer, policy, fixed))
@@ -178,7 +210,16 @@ def check_saved_adapter(trainer, out_dir, tokenizer, policy, fixed):
         logits = loaded(input_ids=ids, attention_mask=mask).logits[:, -keep - 1 : -1].float()
         logps = torch.log_softmax(logits / trainer.temperature, -1).gather(-1, ids[:, -keep:, None])[..., 0]
         reference = per_token_logps_fused(policy.module, ids, mask, keep, None)
-    return {
+    report = {}
+    if "ref" in loaded.peft_config or os.path.isdir(os.path.join(adapter_dir, "ref")):  # TRL's frozen copy (beta > 0)
+        from safetensors.torch import load_file
+
+        trained = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+        ref = load_file(os.path.join(adapter_dir, "ref", "adapter_model.safetensors"))
+        report["ref_adapter_saved"] = sorted(ref) == sorted(trained) and any(
+            not torch.equal(ref[k], trained[k]) for k in ref
+        )
+    return report | {
         "adapter_files": sorted(os.listdir(adapter_dir)),
         "adapter_equals_generator": all(
             torch.equal(own[name], policy._own[name].cpu())
@@ -227,13 +268,13 @@ def resume_bit_for_bit(out_dir, tokenizer, lora):
 
 def main():
     out_dir = sys.argv[1]
-    lora, resume = "--lora" in sys.argv, "--resume" in sys.argv
+    lora, resume, with_extras = "--lora" in sys.argv, "--resume" in sys.argv, "--extras" in sys.argv
     tokenizer = make_tokenizer()
     if resume:
         report = resume_bit_for_bit(out_dir, tokenizer, lora)
         rank = int(os.environ["RANK"])
     else:
-        trainer, report = train_and_check(os.path.join(out_dir, "run"), tokenizer, lora)
+        trainer, report = train_and_check(os.path.join(out_dir, "run"), tokenizer, lora, with_extras)
         rank = trainer.accelerator.process_index
     report["rank"] = rank
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
