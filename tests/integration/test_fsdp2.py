@@ -25,9 +25,10 @@ LOGPS_TOLERANCE = 1e-6
 same completion at the same version: both run in fp32 on the same whole weights (measured here: 0.0)."""
 
 
-def _launch(tmp_path, *flags):
+def _launch(tmp_path, *flags, fsdp_config=None, succeed=True):
     config = yaml.safe_load(open(EXAMPLE))
     config.update(mixed_precision="no", main_process_port=free_port())  # bf16 needs a GPU
+    config["fsdp_config"].update(fsdp_config or {})
     (tmp_path / "fsdp2.yaml").write_text(yaml.safe_dump(config))
     out = tmp_path / "out"
     out.mkdir()
@@ -37,6 +38,9 @@ def _launch(tmp_path, *flags):
     result = subprocess.run(
         [*cmd, SCRIPT, str(out), *flags], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT
     )
+    if not succeed:
+        assert result.returncode != 0
+        return result.stderr
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     assert "terminate called" not in result.stderr, result.stderr[-6000:]
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
@@ -101,16 +105,17 @@ def test_reproducible_run_resumes_from_a_sharded_checkpoint_bit_for_bit(tmp_path
         assert r["final_weights_equal"]
 
 
-@pytest.mark.parametrize(
-    "fsdp2, use_vllm, message",
-    [(False, False, "fsdp_version: 2"), (True, True, "use_vllm=True under FSDP2 is not supported yet")],
-    ids=["fsdp1", "fsdp2-vllm"],
-)
-def test_fsdp1_and_vllm_under_fsdp2_are_refused_with_the_fix(fsdp2, use_vllm, message):
-    """What the trainer refuses once accelerate has set FSDP up (a stand-in for the constructed trainer: accelerate
-    cannot turn FSDP1 on without a GPU)."""
+def test_fsdp1_is_refused_naming_fsdp_version_2(tmp_path):
+    # FSDP1's plugin refuses sync_module_states=True on CPU before the trainer could say anything
+    stderr = _launch(tmp_path, fsdp_config={"fsdp_version": 1, "fsdp_sync_module_states": False}, succeed=False)
+    assert "NotImplementedError: FSDP1 (fsdp_version: 1) is not supported" in stderr
+    assert "Set `fsdp_version: 2` in the accelerate config" in stderr
+
+
+def test_vllm_under_fsdp2_is_refused_with_the_fix():
+    """A stand-in for the trainer accelerate set up with FSDP2 (checked once GRPOTrainer has built the accelerator)."""
     trainer = SimpleNamespace(
-        _is_vlm=False, is_fsdp_enabled=True, accelerator=SimpleNamespace(is_fsdp2=fsdp2), _use_vllm_backend=use_vllm
+        _is_vlm=False, is_fsdp_enabled=True, accelerator=SimpleNamespace(is_fsdp2=True), _use_vllm_backend=True
     )
-    with pytest.raises(NotImplementedError, match=message):
+    with pytest.raises(NotImplementedError, match="use_vllm=True under FSDP2 is not supported yet"):
         check_trainer(trainer)
