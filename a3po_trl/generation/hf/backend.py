@@ -279,16 +279,19 @@ def _fresh_copy(module: nn.Module, gather) -> nn.Module:
             fresh = get_peft_model(fresh, module.peft_config[adapters[0]], adapter_name=adapters[0])
             for name in adapters[1:]:
                 fresh.add_adapter(name, module.peft_config[name])
-    state = {}
-    for name, param in module.named_parameters():  # one gather per parameter: never the whole model at once
+    own = dict(fresh.named_parameters())
+    unexpected = []
+    # One gather per parameter, each whole tensor replacing the copy's random one at once: never the whole model
+    # twice. Every process gathers every parameter (the names are the same everywhere), errors are raised after.
+    for name, param in module.named_parameters():
         for _, tensor in gather.full_tensors([(name, param)]):
-            state[name] = tensor.to("cpu", copy=True)
-    missing, unexpected = fresh.load_state_dict(state, strict=False)
-    missing = [name for name in missing if name in dict(fresh.named_parameters())]
+            if name in own:
+                own[name].data = tensor.to("cpu", copy=True)  # each keeps its own dtype (e.g. an fp32 LM head)
+            else:
+                unexpected.append(name)
+    missing = sorted(set(own) - set(dict(module.named_parameters())))
     if missing or unexpected:
         raise RuntimeError(f"Could not rebuild the generator's weights: missing {missing}, unexpected {unexpected}.")
-    for name, param in fresh.named_parameters():
-        param.data = param.data.to(state[name].dtype)  # each weight keeps its own dtype (e.g. an fp32 LM head)
     _mark_available_for_zero3(fresh)
     return fresh
 
