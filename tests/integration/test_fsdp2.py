@@ -72,16 +72,20 @@ def test_generator_follows_the_sharded_trainer_version_by_version(tmp_path, lora
         assert main["adapter_logps_max_abs_diff"] <= 1e-5  # PeftModel.from_pretrained's own (unfused) forward
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_reference_reward_model_recompute_and_evaluation_run_sharded(tmp_path, lora):
     """What runs sharded in the main thread of every process: the reference forward (beta > 0: a sharded reference
     model, or the adapter-disabled policy under LoRA), a reward model given as a module (FSDP2 shards it too, so it is
     scored in the main thread, not the generation thread), the recompute forward (prox_logp_method="metrics") and
-    GRPOTrainer's evaluation."""
+    GRPOTrainer's evaluation; at max_staleness=0, so the generator's log-probs are compared after every update."""
     reports = _launch(tmp_path, "--extras", *(["--lora"] if lora else []))
     for r in reports:
         assert r["is_fsdp2"] and r["global_step"] == r["generator_version"] == 4
-        assert r["generator_matches_trainer"] and max(r["logps_max_abs_diff"].values()) <= LOGPS_TOLERANCE
+        assert r["generator_matches_trainer"] and r["max_staleness_seen"] == 0
+        # at max_staleness=0 the generator loads every version: all five are compared
+        assert sorted(map(int, r["logps_max_abs_diff"])) == [0, 1, 2, 3, 4]
+        assert max(r["logps_max_abs_diff"].values()) <= LOGPS_TOLERANCE
         assert r["ref_model"] == (None if lora else "FSDPLlamaForCausalLM")
         assert r["reward_model_threads"] == ["MainThread"]
         for key in ("kl", "a3po/approx_logp_abs_error", "eval_loss", "eval_reward"):

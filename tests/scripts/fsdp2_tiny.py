@@ -13,7 +13,8 @@ With ``--lora`` the main process saves the adapter with ``save_model()`` and loa
 checkpoint at step 2 and resumed from it by a third, started from other weights: the report holds both runs' logs after
 step 2 and whether their final weights are equal. With ``--extras`` the run adds what runs sharded in the main thread:
 a reference model (``beta > 0``; from a saved copy of the base, or the adapter-disabled model under LoRA), a reward
-model given as a module, ``prox_logp_method="metrics"`` (a recompute forward per batch) and evaluation.
+model given as a module, ``prox_logp_method="metrics"`` (a recompute forward per batch) and evaluation, at
+``max_staleness=0`` so that the generator loads every version.
 """
 
 import json
@@ -129,6 +130,7 @@ def extras(out_dir, tokenizer, lora):
     threads = []
     reward_model.register_forward_pre_hook(lambda *args: threads.append(threading.current_thread().name))
     settings = dict(
+        max_staleness=0,  # every version is loaded by the generator (and so compared with the trainer's)
         beta=0.04,
         prox_logp_method="metrics",
         reward_funcs=(length_reward, reward_model),
