@@ -1,10 +1,10 @@
 """The one place that reads a trainer's internals to build what the generation thread needs.
 
 GRPOTrainer keeps what it has set up (the generation config, the tokenizer, tools and environments, reward functions,
-ZeRO-3 state) as attributes of the trainer. The generation thread must never read the trainer while it trains, so
-everything it needs is read here once, in the main thread, and copied into plain settings: the generation backend
-(Hugging Face ``generate`` or vLLM) and its sampling settings, the rollout settings (tokenizers of its own, reward
-functions, the seed of each batch's random stream) and the multi-turn settings.
+ZeRO-3 and FSDP2 state) as attributes of the trainer. The generation thread must never read the trainer while it
+trains, so everything it needs is read here once, in the main thread, and copied into plain settings: the generation
+backend (Hugging Face ``generate`` or vLLM) and its sampling settings, the rollout settings (tokenizers of its own,
+reward functions, the seed of each batch's random stream) and the multi-turn settings.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from trl.trainer.utils import add_fused_lm_head
 
 from .distributed import private_store
 from .generation.backend import GenerationBackend
+from .generation.gather import ContextGather, DTensorGather, ParameterGather
 from .generation.hf import HFGenerateBackend, HFGenerationSettings
 from .generation.hf.sampling import processed_sampling, records_logps, samples_with_own_stream, sampling_deviations
 from .generation.vllm.common import VLLMSamplingSettings, active_lora
@@ -34,8 +35,21 @@ def uses_zero3(trainer) -> bool:
     return bool(trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3)
 
 
-def zero3_gather(trainer):
-    """``GatheredParameters`` under ZeRO-3 (every process together, main thread), else None."""
+def uses_fsdp2(trainer) -> bool:
+    return bool(trainer.is_fsdp_enabled and trainer.accelerator.is_fsdp2)
+
+
+def shards_parameters(trainer) -> bool:
+    """Whether every process holds only a shard of each parameter (ZeRO-3, FSDP2): reading one whole, or running a
+    forward, is then a collective."""
+    return uses_zero3(trainer) or uses_fsdp2(trainer)
+
+
+def weight_gather(trainer) -> ParameterGather | None:
+    """How the main thread reads the training weights whole for the generator (every process together): ZeRO-3's
+    ``GatheredParameters``, FSDP2's ``full_tensor()`` per parameter, or None (whole already)."""
+    if uses_fsdp2(trainer):
+        return DTensorGather()
     if not uses_zero3(trainer):
         return None
     import deepspeed
@@ -43,7 +57,7 @@ def zero3_gather(trainer):
     def gather(params):
         return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
-    return gather
+    return ContextGather(gather)
 
 
 # ---- the generation backend ------------------------------------------------------------------------------------
@@ -73,7 +87,7 @@ def _build_hf_backend(trainer) -> HFGenerateBackend:
         hf_generation_settings(trainer),
         device=device,
         patch_fn=patch,
-        gather=zero3_gather(trainer),
+        gather=weight_gather(trainer),
     )
 
 
@@ -188,7 +202,7 @@ def _build_vllm_backend(trainer) -> GenerationBackend:
         args,
         vllm_sampling_settings(trainer),
         device=torch.device(args.generation_device) if args.generation_device else trainer.accelerator.device,
-        gather=zero3_gather(trainer),
+        gather=weight_gather(trainer),
         process_index=trainer.accelerator.process_index,
         num_processes=processes,
         shared=shared,
@@ -260,8 +274,9 @@ def sampling_seeds(seed: int, process_index: int, batch_numbers):
 
 
 def deferred_reward_columns(trainer) -> frozenset[int]:
-    """Reward models whose forward is a collective (partitioned by ZeRO-3) are scored in the main thread."""
-    if not uses_zero3(trainer):
+    """Reward models whose forward is a collective (partitioned by ZeRO-3, sharded by FSDP2) are scored in the main
+    thread."""
+    if not shards_parameters(trainer):
         return frozenset()
     return frozenset(i for i, func in enumerate(trainer.reward_funcs) if isinstance(func, nn.Module))
 

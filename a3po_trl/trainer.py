@@ -14,7 +14,8 @@ What changes relative to `GRPOTrainer`, and where:
 - Checkpoints are written into a staging folder and renamed when whole, and ``resume_from_checkpoint=True`` resumes
   from the newest complete one (:mod:`a3po_trl.checkpoints`).
 
-Evaluation is unchanged: it generates synchronously through GRPOTrainer's own path.
+Evaluation is unchanged: it generates synchronously through GRPOTrainer's own path. Under FSDP2, ``save_model`` writes
+whole weights (or a PEFT adapter) gathered from every process's shards.
 """
 
 from __future__ import annotations
@@ -32,7 +33,14 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict, use_adapter
 
-from .builders import build_backend, deferred_reward_columns, effective_generation_config, rollout_settings
+from .builders import (
+    build_backend,
+    deferred_reward_columns,
+    effective_generation_config,
+    rollout_settings,
+    uses_fsdp2,
+    weight_gather,
+)
 from .checkpoints import resolve_resume_checkpoint, save_checkpoint_atomically
 from .config import AsyncA3POConfig, trainer_config
 from .distributed import destroy_process_group_at_exit
@@ -247,6 +255,27 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         with self.timeline.span(TRAINING_LANE, "save checkpoint", step=self.state.global_step):
             save_checkpoint_atomically(self, trial, write)
         self._write_trace()
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """As Trainer's, and under FSDP2 (whatever the plugin's ``state_dict_type``) a normal model or PEFT adapter
+        built from every process's shards: the whole tensors are gathered on every process together (called on all
+        of them, as Trainer's own is), written by the main process. Under PEFT only the adapters' tensors (every
+        adapter's, e.g. TRL's frozen ``ref`` copy too) and whatever else is trainable are gathered."""
+        if not uses_fsdp2(self):
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        model = self._unwrapped_model()
+        if hasattr(model, "peft_config"):
+            adapters = set(model.peft_config)
+            wanted = [
+                (name, p) for name, p in model.named_parameters() if p.requires_grad or adapters & set(name.split("."))
+            ]
+            state_dict = {name: t.to("cpu", copy=True) for name, t in weight_gather(self).full_tensors(wanted)}
+        else:
+            state_dict = self.accelerator.get_state_dict(self.model)  # full, on the main process, in CPU memory
+        self._save(output_dir, state_dict=state_dict)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _write_trace(self) -> str | None:
         """Write this process's timeline to ``output_dir/timeline/trace-rank{k}.json`` (when ``timeline`` is on)."""

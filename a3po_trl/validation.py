@@ -163,10 +163,18 @@ def check_trainer(trainer) -> None:
             "AsyncA3POTrainer does not support vision-language models yet (its generator scores text only); "
             "train them with trl.GRPOTrainer, or pass a text-only causal LM."
         )
-    if trainer.is_fsdp_enabled:
+    if trainer.is_fsdp_enabled and not trainer.accelerator.is_fsdp2:
         raise NotImplementedError(
-            "FSDP is not supported yet (the generator's copy of the weights is built from whole parameters); use "
-            "DDP or DeepSpeed ZeRO-2/3 (`accelerate launch --config_file examples/accelerate_configs/...`)."
+            "FSDP1 (fsdp_version: 1) is not supported: the generator's weights are gathered per parameter with "
+            "FSDP2's DTensor.full_tensor(). Set `fsdp_version: 2` in the accelerate config "
+            "(examples/accelerate_configs/fsdp2.yaml), or fsdp_config={'version': 2} in the training arguments; or "
+            "use DDP or DeepSpeed ZeRO-2/3."
+        )
+    if trainer.is_fsdp_enabled and trainer._use_vllm_backend:
+        raise NotImplementedError(
+            "use_vllm=True under FSDP2 is not supported yet: publishing gathered weights to a vLLM engine or server "
+            "is not built. Generate with the default `generate` backend (use_vllm=False) under FSDP2, or use vLLM "
+            "with DDP or DeepSpeed ZeRO-2/3."
         )
     if trainer.train_dataset is not None and hasattr(trainer.train_dataset, "__len__"):
         prompts_needed = trainer.args.generation_batch_size // trainer.num_generations

@@ -78,12 +78,11 @@ def first_batch_with_logps(trainer):
 
 
 def generator_matches(backend, module) -> bool:
-    """Whether a ``generate`` backend's trainable weights equal ``module``'s (gathered under ZeRO-3)."""
+    """Whether a ``generate`` backend's trainable weights equal ``module``'s (gathered under ZeRO-3 and FSDP2, on
+    every process together)."""
     params = dict(module.named_parameters())
-    with backend._gather([params[name] for name in backend.trainable_names]):
-        return all(
-            torch.equal(backend._own[name].cpu(), params[name].detach().cpu()) for name in backend.trainable_names
-        )
+    whole = backend._gather.full_tensors((name, params[name]) for name in backend.trainable_names)
+    return all([torch.equal(backend._own[name].cpu(), tensor.cpu()) for name, tensor in whole])
 
 
 class StopAt(TrainerCallback):

@@ -3,7 +3,8 @@
 A backend generates completions and their behavior log-probs with *one* weight version at a time:
 
 - main thread: :meth:`GenerationBackend.publish` copies the trainer's trainable weights into a staging buffer as
-  version ``v`` (gathering them first under ZeRO-3, on every process together);
+  version ``v``, one whole tensor at a time (gathered under ZeRO-3 and FSDP2 by the injected
+  :class:`~a3po_trl.generation.gather.ParameterGather`, on every process together);
 - generation thread: :meth:`GenerationBackend.refresh`, called only between batches, loads the newest staged version
   into whatever generates (:meth:`GenerationBackend.load_weights`: a module copy for Hugging Face ``generate``, the
   engine's weights or a new LoRA adapter for vLLM), then :meth:`GenerationBackend.generate` runs a batch with it;
@@ -14,11 +15,10 @@ The staging lock is held while a backend loads a version, so the main thread nev
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from torch import nn
 
 from ..timeline import record_in_batch_span
 from ..types import GeneratedCompletions
+from .gather import ParameterGather, as_parameter_gather
 
 
 class GenerationBackend(ABC):
@@ -35,7 +36,8 @@ class GenerationBackend(ABC):
         trainable_names: names (as in the training module's ``named_parameters``) of the weights each version carries;
             everything else is fixed for the run (e.g. the base model under LoRA).
         staging: one buffer per name, shaped and typed like the whole weight, where :meth:`publish` copies it.
-        gather: context manager factory making a list of sharded parameters whole (ZeRO-3), or ``None``.
+        gather: how the main thread reads sharded parameters whole (:class:`~.gather.ParameterGather`; a ZeRO-3
+            context-manager factory or ``None`` are converted by :func:`~.gather.as_parameter_gather`).
         device: where generation runs.
     """
 
@@ -43,11 +45,11 @@ class GenerationBackend(ABC):
         self,
         trainable_names: list[str],
         staging: dict[str, torch.Tensor],
-        gather: Callable | None,
+        gather: ParameterGather | Callable | None,
         device: torch.device,
     ):
         self.trainable_names = list(trainable_names)
-        self._gather = gather or contextlib.nullcontext
+        self._gather = as_parameter_gather(gather)
         self.device = torch.device(device)
         self.version = -1
         """Version of the weights generation uses now (-1 before the first refresh)."""
@@ -66,13 +68,17 @@ class GenerationBackend(ABC):
     @torch.no_grad()
     def publish(self, module: nn.Module, version: int, trainer_state: Any = None) -> float:
         """Copy ``module``'s trainable weights into a staging buffer as ``version``, with a snapshot of the trainer
-        state at that version, loaded with them. Returns seconds."""
+        state at that version, loaded with them. Returns seconds.
+
+        Main thread, on every process together when the weights are sharded: every trainable parameter goes through
+        the gather, one at a time, straight into the staging buffer (never a second whole copy of the weights)."""
         start = time.perf_counter()
         params = dict(module.named_parameters())
-        with self._gather([params[name] for name in self.trainable_names]), self._lock:
+        with self._lock:
             if not self.keep_versions:
                 self._drop_versions(lambda v: True)  # one buffer, overwritten by each version
-            self._store(version, {name: params[name].detach() for name in self.trainable_names}, trainer_state)
+            whole = self._gather.full_tensors((name, params[name]) for name in self.trainable_names)
+            self._store(version, whole, trainer_state)
         return time.perf_counter() - start
 
     def reset(self) -> None:
@@ -93,13 +99,21 @@ class GenerationBackend(ABC):
         with self._lock:
             return sorted(self._published)
 
-    def _store(self, version: int, weights: dict[str, torch.Tensor], trainer_state: Any) -> None:
-        """Under the lock: copy ``weights`` into a free staging buffer (reused, or new) as ``version``, replacing an
-        earlier copy of the same version."""
+    def _store(self, version: int, weights: Iterable[tuple[str, torch.Tensor]], trainer_state: Any) -> None:
+        """Under the lock: copy ``weights`` (``(name, tensor)`` for every trainable name, consumed one at a time) into
+        a free staging buffer (reused, or new) as ``version``, replacing an earlier copy of the same version."""
         self._drop_versions(lambda v: v == version)
         buffers = self._free_buffers.pop() if self._free_buffers else self._new_buffers()
-        for name in self.trainable_names:
-            buffers[name].copy_(weights[name], non_blocking=True)
+        copied = set()
+        try:
+            for name, tensor in weights:
+                buffers[name].copy_(tensor, non_blocking=True)
+                copied.add(name)
+            if copied != set(self.trainable_names):
+                raise RuntimeError(f"Weights of version {version} lack {sorted(set(self.trainable_names) - copied)}.")
+        except BaseException:
+            self._free_buffers.append(buffers)  # a half-written buffer is free again, never published
+            raise
         if buffers and next(iter(buffers.values())).device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # whole before the generation thread's stream reads it
         self._published[version] = (buffers, trainer_state)
@@ -157,7 +171,7 @@ class GenerationBackend(ABC):
     def restore_weights(self, version: int, weights: dict[str, torch.Tensor], trainer_state: Any = None) -> None:
         """Publish ``weights`` (from :meth:`kept_weights` of a checkpoint) as ``version`` again, without a module."""
         with self._lock:
-            self._store(version, weights, trainer_state)
+            self._store(version, ((name, weights[name]) for name in self.trainable_names), trainer_state)
 
     @abstractmethod
     def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
@@ -200,7 +214,8 @@ class GenerationBackend(ABC):
 
 
 def full_shape(param: torch.Tensor) -> torch.Size:
-    """The whole shape of a parameter, also when ZeRO-3 has partitioned it (``ds_shape``)."""
+    """The whole shape of a parameter, also when ZeRO-3 has partitioned it (``ds_shape``); an FSDP2 ``DTensor``'s
+    ``shape`` is its whole shape already."""
     return getattr(param, "ds_shape", param.shape)
 
 

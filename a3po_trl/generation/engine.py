@@ -77,6 +77,8 @@ class GenerationEngine:
         self.exact_versions = exact_versions
         self.timeline = timeline if timeline is not None else TimelineRecorder(enabled=False)
         backend.keep_versions = exact_versions
+        self._last_needed_version = max((min_version(i) for i in range(num_batches)), default=-1)
+        """With ``exact_versions``, no batch is generated with a newer version than this."""
         self.stop_event = threading.Event()
         self._version_cond = threading.Condition()
         self._trainer_version = -1
@@ -106,9 +108,14 @@ class GenerationEngine:
 
     def publish(self, module: torch.nn.Module, version: int, trainer_state: Any = None) -> float:
         """Publish the trainer's weights as ``version`` (with the trainer state) and wake the generator. Returns
-        seconds."""
+        seconds.
+
+        Called on every process together: under ZeRO-3 or FSDP2 the publication gathers the weights (a collective),
+        so whether it is skipped must not depend on anything local to a process, such as how far its generation
+        thread has got. With ``exact_versions`` a version that no batch of the run is assigned is skipped: that
+        depends only on the batch schedule, which every process shares."""
         seconds = 0.0
-        if not (self.exact_versions and self.produced >= self.num_batches):  # kept versions nobody will load: skip
+        if not (self.exact_versions and version > self._last_needed_version):  # nobody would load it
             seconds = self.backend.publish(module, version, trainer_state)
         with self._version_cond:
             self._trainer_version = version

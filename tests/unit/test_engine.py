@@ -133,9 +133,22 @@ def test_exact_versions_generate_with_the_assigned_version_not_the_newest():
         engine.stop()
     assert versions == [0, 0, 1]
     assert backend.loaded == [0, 1]
-    # version 0 released once no batch still needs it (version 2 is kept only if it was published before the last
-    # batch was generated: after that, publishing skips the versions nobody will load)
-    assert backend.kept_versions[0] == 1
+    # version 0 released once no batch still needs it; version 2 was never published (no batch is assigned it)
+    assert backend.kept_versions == [1]
+
+
+def test_exact_versions_skip_a_publication_by_the_schedule_alone():
+    """Under ZeRO-3 and FSDP2 a publication is a collective on every process: whether it is skipped must not depend
+    on how far this process's generation thread has got, only on the schedule all processes share."""
+    module = Policy()
+    engine, backend = make_engine(min_version=lambda i: i, num_batches=3, exact_versions=True, asynchronous=False)
+    published, original = [], backend.publish
+    backend.publish = lambda module, version, state=None: published.append(version) or original(module, version, state)
+    engine.start(module, 0)
+    engine.produced = engine.num_batches  # as if this process's thread had generated every batch already
+    for version in (1, 2, 3):
+        publish(engine, module, version)
+    assert published == [0, 1, 2]  # version 3 is newer than any batch is assigned: skipped, on every process alike
 
 
 def test_a_trainer_waiting_for_a_batch_gets_it_with_the_newest_weights_instead_of_a_deadlock():

@@ -6,9 +6,10 @@ staging buffer between batches. Any instance-level ``forward`` patch (TRL's fuse
 wrapper) is removed from the copy, so it never closes over the training module; ``patch_fn`` re-applies a patch to
 the copy itself.
 
-When the training module's parameters are sharded (DeepSpeed ZeRO-3), ``gather`` makes them whole: the copy is built
-fresh from the model's config and loaded with the gathered weights (nothing can be shared), and every publication
-gathers the trainable weights; both happen in the main thread, on every process together.
+When the training module's parameters are sharded (DeepSpeed ZeRO-3, FSDP2), ``gather`` (a
+:class:`~a3po_trl.generation.gather.ParameterGather`) makes them whole: the copy is built fresh from the model's config
+and loaded with the gathered weights, one parameter at a time (nothing can be shared), and every publication gathers
+the trainable weights; both happen in the main thread, on every process together.
 
 Sampling draws from the backend's own ``torch.Generator`` (:class:`~.sampling.OwnStreamSampling`) for
 plain sampling, and the behavior log-probs are recorded while generating
@@ -35,6 +36,7 @@ from ...padding import pad_rows
 from ...patches import peft_base_model, strip_instance_forwards
 from ...types import GeneratedCompletions, GenerationStopped
 from ..backend import GenerationBackend, module_device, same_device
+from ..gather import as_parameter_gather
 from .sampling import GenerationLogpsRecorder, OwnStreamSampling
 
 logger = logging.getLogger(__name__)
@@ -106,7 +108,8 @@ class HFGenerateBackend(GenerationBackend):
             )
         self.settings = settings
         device = torch.device(device) if device is not None else module_device(module)
-        if gather is None:
+        gather = as_parameter_gather(gather)
+        if not gather.sharded:
             shares = same_device(device, module_device(module))
             memo = {id(p): p for p in module.parameters() if not p.requires_grad} if shares else {}
             self.module = copy.deepcopy(module, memo)
@@ -258,32 +261,49 @@ def _autocast(device: torch.device, dtype: torch.dtype | None):
 
 
 def _fresh_copy(module: nn.Module, gather) -> nn.Module:
-    """An unsharded copy of a sharded (ZeRO-3) causal LM or PEFT model: built from its config, loaded with its
-    weights gathered one tensor at a time."""
+    """An unsharded copy of a sharded (ZeRO-3, FSDP2) causal LM or PEFT model: built from its config, loaded with its
+    weights gathered one tensor at a time.
+
+    Building it initializes random weights (then overwritten): that must not draw from the global RNG, whose state a
+    resumed run has just restored from its checkpoint (the copy is built at the first training step, so a resumed run
+    would draw where the uninterrupted one did not, and shuffle its batches differently)."""
     is_peft = hasattr(module, "get_base_model") and hasattr(module, "peft_config")
     base = peft_base_model(module)
     config = copy.deepcopy(base.config)
-    with _without_zero3_init():
-        fresh = type(base)(config)
-    if is_peft:
-        from peft import get_peft_model
+    with _without_zero3_init(), torch.random.fork_rng(devices=[]):
+        fresh = unsharded_class(base)(config)
+        if is_peft:
+            from peft import get_peft_model
 
-        adapters = list(module.peft_config)
-        fresh = get_peft_model(fresh, module.peft_config[adapters[0]], adapter_name=adapters[0])
-        for name in adapters[1:]:
-            fresh.add_adapter(name, module.peft_config[name])
-    state = {}
+            adapters = list(module.peft_config)
+            fresh = get_peft_model(fresh, module.peft_config[adapters[0]], adapter_name=adapters[0])
+            for name in adapters[1:]:
+                fresh.add_adapter(name, module.peft_config[name])
+    own = dict(fresh.named_parameters())
+    unexpected = []
+    # One gather per parameter, each whole tensor replacing the copy's random one at once: never the whole model
+    # twice. Every process gathers every parameter (the names are the same everywhere), errors are raised after.
     for name, param in module.named_parameters():
-        with gather([param]):
-            state[name] = param.detach().to("cpu", copy=True)
-    missing, unexpected = fresh.load_state_dict(state, strict=False)
-    missing = [name for name in missing if name in dict(fresh.named_parameters())]
+        for _, tensor in gather.full_tensors([(name, param)]):
+            if name in own:
+                own[name].data = tensor.to("cpu", copy=True)  # each keeps its own dtype (e.g. an fp32 LM head)
+            else:
+                unexpected.append(name)
+    missing = sorted(set(own) - set(dict(module.named_parameters())))
     if missing or unexpected:
         raise RuntimeError(f"Could not rebuild the generator's weights: missing {missing}, unexpected {unexpected}.")
-    for name, param in fresh.named_parameters():
-        param.data = param.data.to(state[name].dtype)  # each weight keeps its own dtype (e.g. an fp32 LM head)
     _mark_available_for_zero3(fresh)
     return fresh
+
+
+def unsharded_class(module: nn.Module) -> type:
+    """The model class of ``module``; for a module FSDP2 has sharded in place (``fully_shard`` swaps its class for
+    ``FSDP<Class>``, a subclass of ``FSDPModule`` and the original), the original class."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - a torch without FSDP2
+        return type(module)
+    return next(cls for cls in type(module).__mro__ if not issubclass(cls, FSDPModule))
 
 
 def _mark_available_for_zero3(module: nn.Module) -> None:

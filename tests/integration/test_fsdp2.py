@@ -1,0 +1,125 @@
+"""FSDP2 on two CPU processes (gloo) under `accelerate launch`, with `examples/accelerate_configs/fsdp2.yaml`.
+
+accelerate keeps FSDP off on CPU-only machines; the launched script (tests/scripts/fsdp2_tiny.py) turns it on with
+tests/fsdp_cpu.py, so the Trainer really shards the model with ``fully_shard`` (checked: DTensor parameters, a local
+shard smaller than the parameter) and takes accelerate's FSDP2 paths for checkpoints. docs/FSDP2.md says why and how.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from helpers import free_port
+
+from a3po_trl.validation import check_trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "fsdp2_tiny.py")
+EXAMPLE = os.path.join(ROOT, "examples", "accelerate_configs", "fsdp2.yaml")
+LOGPS_TOLERANCE = 1e-6
+"""Largest difference (nats per token) allowed between the generator's and the training forward's log-probs of the
+same completion at the same version: both run in fp32 on the same whole weights (measured here: 0.0)."""
+
+
+def _launch(tmp_path, *flags, fsdp_config=None, succeed=True):
+    config = yaml.safe_load(open(EXAMPLE))
+    config.update(mixed_precision="no", main_process_port=free_port())  # bf16 needs a GPU
+    config["fsdp_config"].update(fsdp_config or {})
+    (tmp_path / "fsdp2.yaml").write_text(yaml.safe_dump(config))
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "fsdp2.yaml")]
+    result = subprocess.run(
+        [*cmd, SCRIPT, str(out), *flags], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
+    if not succeed:
+        assert result.returncode != 0
+        return result.stderr
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    assert "terminate called" not in result.stderr, result.stderr[-6000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_generator_follows_the_sharded_trainer_version_by_version(tmp_path, lora):
+    reports = _launch(tmp_path, *(["--lora"] if lora else []))
+    assert {r["rank"] for r in reports} == {0, 1}
+    for r in reports:
+        # really FSDP2: the Trainer sharded the parameters (all but 1-2 small ones split over both processes)
+        assert r["distributed_type"] == "DistributedType.FSDP" and r["is_fsdp_enabled"] and r["is_fsdp2"]
+        assert r["sharded_parameters"] >= r["parameters"] - 2
+        assert r["global_step"] == r["generator_version"] == r["batches_consumed"] == 4
+        assert r["generator_matches_trainer"]  # every trainable weight equal to the gathered training weight
+        assert 0 <= r["max_staleness_seen"] <= 1
+        # the generator's log-probs of a fixed completion, right after it loaded each version (in its thread), and
+        # after the last one, equal the training forward's at that version
+        diffs = {int(v): d for v, d in r["logps_max_abs_diff"].items()}
+        assert 0 in diffs and 4 in diffs and len(diffs) >= 3, diffs
+        assert max(diffs.values()) <= LOGPS_TOLERANCE, diffs
+        assert r["trainer_logps_change"] > 1e-3  # the versions differ: the comparison is not trivial
+        if lora:
+            assert r["copied_parameters"] == 896  # the adapter only (q_proj, v_proj at r=4 on 2 layers)
+    if lora:
+        main = reports[0]
+        assert "adapter_model.safetensors" in main["adapter_files"] and "adapter_config.json" in main["adapter_files"]
+        assert main["adapter_tensors"] == 8 and main["adapter_equals_generator"]
+        assert main["adapter_logps_max_abs_diff"] <= 1e-5  # PeftModel.from_pretrained's own (unfused) forward
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_reference_reward_model_recompute_and_evaluation_run_sharded(tmp_path, lora):
+    """What runs sharded in the main thread of every process: the reference forward (beta > 0: a sharded reference
+    model, or the adapter-disabled policy under LoRA), a reward model given as a module (FSDP2 shards it too, so it is
+    scored in the main thread, not the generation thread), the recompute forward (prox_logp_method="metrics") and
+    GRPOTrainer's evaluation; at max_staleness=0, so the generator's log-probs are compared after every update."""
+    reports = _launch(tmp_path, "--extras", *(["--lora"] if lora else []))
+    for r in reports:
+        assert r["is_fsdp2"] and r["global_step"] == r["generator_version"] == 4
+        assert r["generator_matches_trainer"] and r["max_staleness_seen"] == 0
+        # at max_staleness=0 the generator loads every version: all five are compared
+        assert sorted(map(int, r["logps_max_abs_diff"])) == [0, 1, 2, 3, 4]
+        assert max(r["logps_max_abs_diff"].values()) <= LOGPS_TOLERANCE
+        assert r["ref_model"] == (None if lora else "FSDPLlamaForCausalLM")
+        assert r["reward_model_threads"] == ["MainThread"]
+        for key in ("kl", "a3po/approx_logp_abs_error", "eval_loss", "eval_reward"):
+            assert key in r["logged_keys"], key
+    if lora:  # TRL's frozen "ref" adapter is saved too, with its own (untrained) weights
+        assert reports[0]["ref_adapter_saved"] and reports[0]["adapter_equals_generator"]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_reproducible_run_resumes_from_a_sharded_checkpoint_bit_for_bit(tmp_path, lora):
+    """reproducible_generation: a run stopped after its checkpoint at step 2 and resumed from it (from other initial
+    trainable weights) logs the same losses, rewards and versions after step 2 as the uninterrupted run, and ends with
+    the same weights, bit for bit."""
+    reports = _launch(tmp_path, "--resume", *(["--lora"] if lora else []))
+    for r in reports:
+        assert "pytorch_model_fsdp_0" in r["checkpoint_files"] and "optimizer_0" in r["checkpoint_files"]
+        assert "a3po_generator_versions.pt" in r["checkpoint_files"]
+        assert r["loaded_weights_differ_from_init"] and r["loaded_weights_equal_stopped"]
+        assert r["resumed"] == r["uninterrupted"]
+        assert len(r["resumed"]["loss"]) == 2
+        assert r["final_weights_equal"]
+
+
+def test_fsdp1_is_refused_naming_fsdp_version_2(tmp_path):
+    # FSDP1's plugin refuses sync_module_states=True on CPU before the trainer could say anything
+    stderr = _launch(tmp_path, fsdp_config={"fsdp_version": 1, "fsdp_sync_module_states": False}, succeed=False)
+    assert "NotImplementedError: FSDP1 (fsdp_version: 1) is not supported" in stderr
+    assert "Set `fsdp_version: 2` in the accelerate config" in stderr
+
+
+def test_vllm_under_fsdp2_is_refused_with_the_fix():
+    """A stand-in for the trainer accelerate set up with FSDP2 (checked once GRPOTrainer has built the accelerator)."""
+    trainer = SimpleNamespace(
+        _is_vlm=False, is_fsdp_enabled=True, accelerator=SimpleNamespace(is_fsdp2=True), _use_vllm_backend=True
+    )
+    with pytest.raises(NotImplementedError, match="use_vllm=True under FSDP2 is not supported yet"):
+        check_trainer(trainer)

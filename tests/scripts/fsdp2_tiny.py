@@ -1,0 +1,287 @@
+"""Train a tiny model under FSDP2 on two CPU processes and write one JSON report per rank (used by test_fsdp2.py).
+
+accelerate launch --config_file FSDP2_CONFIG tests/scripts/fsdp2_tiny.py OUT_DIR [--lora] [--resume] [--extras]
+
+accelerate keeps FSDP off on a CPU-only machine; ``force_fsdp_on_cpu`` (tests/fsdp_cpu.py, docs/FSDP2.md) turns it on,
+so the Trainer shards the model with ``fully_shard`` over gloo as it would on GPUs.
+
+The report says whether the model really was sharded, and compares, for every weight version the generator loaded
+(in its thread, right after loading) and the last one (loaded after training), the generator's log-probs of a fixed
+completion with the training forward's at that version (computed after each optimizer step, on both processes).
+With ``--lora`` the main process saves the adapter with ``save_model()`` and loads it with
+``PeftModel.from_pretrained``. With ``--resume`` (``reproducible_generation``) a second run is stopped after its
+checkpoint at step 2 and resumed from it by a third, started from other weights: the report holds both runs' logs after
+step 2 and whether their final weights are equal. With ``--extras`` the run adds what runs sharded in the main thread:
+a reference model (``beta > 0``; from a saved copy of the base, or the adapter-disabled model under LoRA), a reward
+model given as a module, ``prox_logp_method="metrics"`` (a recompute forward per batch) and evaluation, at
+``max_staleness=0`` so that the generator loads every version.
+"""
+
+import json
+import os
+import sys
+import threading
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from fsdp_cpu import force_fsdp_on_cpu  # noqa: E402
+
+force_fsdp_on_cpu()
+
+import torch  # noqa: E402
+from helpers import StopAt, distributed_script_config, generator_matches, logged_after  # noqa: E402
+from tiny import length_reward, make_model, make_prompts, make_reward_model, make_tokenizer  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+from a3po_trl import AsyncA3POTrainer  # noqa: E402
+from a3po_trl.builders import weight_gather  # noqa: E402
+from a3po_trl.generation.hf.backend import per_token_logps_fused  # noqa: E402
+
+MAX_STEPS = 4
+LOGGED = ("loss", "reward", "async/generator_version", "a3po/staleness_max")
+
+
+def lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False
+    )
+
+
+def fixed_completion(tokenizer):
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 2?"}], add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    completion = tokenizer("The answer is 4.")["input_ids"]
+    ids = torch.tensor([prompt + completion])
+    return ids, torch.ones_like(ids), len(completion)
+
+
+class TrainerLogps(TrainerCallback):
+    """The training forward's log-probs of the fixed completion at every version (on every process together: under
+    FSDP2 a forward is a collective). Added after the trainer's own callbacks, so it runs after each publication."""
+
+    def __init__(self, trainer, fixed):
+        self.trainer, self.fixed, self.by_version = trainer, fixed, {}
+
+    def record(self, version):
+        ids, mask, keep = self.fixed
+        with torch.no_grad():
+            logps = self.trainer._get_per_token_logps_and_entropies(self.trainer.model, ids, mask, keep)[0]
+        self.by_version[version] = logps.cpu()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.record(state.global_step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.record(state.global_step)
+
+
+def record_generator_logps(trainer, fixed, by_version):
+    """Wrap the backend the trainer builds so that every version it loads is scored right after loading (in the
+    generation thread, between batches, with the generator's own forward)."""
+    build = trainer._build_backend
+
+    def recording_build():
+        backend = build()
+        load = backend.load_weights
+
+        def recording_load(weights, version):
+            load(weights, version)
+            ids, mask, keep = fixed
+            with torch.no_grad():
+                by_version[version] = per_token_logps_fused(backend.module, ids, mask, keep, None).cpu()
+
+        backend.load_weights = recording_load
+        return backend
+
+    trainer._build_backend = recording_build
+
+
+def make(out_dir, tokenizer, lora, seed=0, reward_funcs=(length_reward,), model=None, **overrides):
+    """The trainer; ``seed`` draws the trainable weights' initial values (under LoRA the adapter's: the base model is
+    the same pretrained one in every run, and a resume loads the adapter only)."""
+    extra = {k: overrides.pop(k) for k in ("eval_dataset", "reward_processing_classes") if k in overrides}
+    args = distributed_script_config(out_dir, max_steps=MAX_STEPS, **overrides)
+    model = model if model is not None else make_model(tokenizer, seed=0 if lora else seed)
+    if lora:
+        from peft import get_peft_model
+
+        torch.manual_seed(seed)
+        model = get_peft_model(model, lora_config())
+    return AsyncA3POTrainer(
+        model=model,
+        reward_funcs=list(reward_funcs),
+        args=args,
+        train_dataset=make_prompts(32),
+        processing_class=tokenizer,
+        **extra,
+    )
+
+
+def extras(out_dir, tokenizer, lora):
+    """The settings and the reward-model thread log of an ``--extras`` run."""
+    from transformers import AutoModelForCausalLM
+
+    base_dir = os.path.join(out_dir, f"base-rank{os.environ['RANK']}")
+    make_model(tokenizer).save_pretrained(base_dir)  # a path, for GRPOTrainer to load the reference model from
+    reward_model = make_reward_model(tokenizer)
+    threads = []
+    reward_model.register_forward_pre_hook(lambda *args: threads.append(threading.current_thread().name))
+    settings = dict(
+        max_staleness=0,  # every version is loaded by the generator (and so compared with the trainer's)
+        beta=0.04,
+        prox_logp_method="metrics",
+        reward_funcs=(length_reward, reward_model),
+        reward_processing_classes=[None, tokenizer],
+        eval_dataset=make_prompts(4),
+        eval_strategy="steps",
+        eval_steps=2,
+        per_device_eval_batch_size=4,
+        model=AutoModelForCausalLM.from_pretrained(base_dir) if lora else base_dir,
+    )
+    return settings, threads
+
+
+def full_weights(trainer):
+    """Every parameter whole (gathered on every process together), on CPU."""
+    params = list(trainer._unwrapped_model().named_parameters())
+    return {name: t.to("cpu", copy=True) for name, t in weight_gather(trainer).full_tensors(params)}
+
+
+def train_and_check(out_dir, tokenizer, lora, with_extras=False):
+    from torch.distributed.tensor import DTensor
+
+    fixed = fixed_completion(tokenizer)
+    settings, reward_model_threads = extras(out_dir, tokenizer, lora) if with_extras else ({}, [])
+    trainer = make(out_dir, tokenizer, lora, **settings)
+    trainer_logps, generator_logps = TrainerLogps(trainer, fixed), {}
+    trainer.add_callback(trainer_logps)
+    record_generator_logps(trainer, fixed, generator_logps)
+    trainer.train()
+    policy = trainer.last_generation_engine.backend
+    policy.refresh()  # the last published version (= global_step), loaded here in the main thread
+    model = trainer._unwrapped_model()
+    sharded = [
+        name
+        for name, p in model.named_parameters()
+        if isinstance(p, DTensor) and p.to_local().numel() < p.numel()
+    ]
+    report = {
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "is_fsdp_enabled": trainer.is_fsdp_enabled,
+        "is_fsdp2": trainer.accelerator.is_fsdp2,
+        "sharded_parameters": len(sharded),
+        "parameters": len(list(model.parameters())),
+        "global_step": trainer.state.global_step,
+        "generator_version": policy.version,
+        "generator_matches_trainer": generator_matches(policy, model),
+        "copied_parameters": policy.copied_parameter_count,
+        "logps_max_abs_diff": {
+            v: (generator_logps[v] - trainer_logps.by_version[v]).abs().max().item() for v in sorted(generator_logps)
+        },
+        "logps_versions_trainer": sorted(trainer_logps.by_version),
+        "trainer_logps_change": (trainer_logps.by_version[MAX_STEPS] - trainer_logps.by_version[0]).abs().max().item(),
+        "max_staleness_seen": max(
+            h["a3po/staleness_max"] for h in trainer.state.log_history if "a3po/staleness_max" in h
+        ),
+        "batches_consumed": trainer.last_generation_engine.consumed,
+        "reward_model_threads": sorted(set(reward_model_threads)),
+        "ref_model": type(trainer.ref_model).__name__ if trainer.ref_model is not None else None,
+        "logged_keys": sorted({key for h in trainer.state.log_history for key in h}),
+    }
+    if lora:
+        report.update(check_saved_adapter(trainer, out_dir, tokenizer, policy, fixed))
+    return trainer, report
+
+
+def check_saved_adapter(trainer, out_dir, tokenizer, policy, fixed):
+    """``save_model()`` on every process (it gathers), then the main process loads the adapter into a fresh base."""
+    adapter_dir = os.path.join(out_dir, "adapter")
+    trainer.save_model(adapter_dir)
+    trainer.accelerator.wait_for_everyone()
+    if not trainer.accelerator.is_main_process:
+        return {}
+    from peft import PeftModel
+
+    loaded = PeftModel.from_pretrained(make_model(tokenizer), adapter_dir).eval()
+    own = dict(loaded.named_parameters())
+    ids, mask, keep = fixed
+    with torch.no_grad():
+        logits = loaded(input_ids=ids, attention_mask=mask).logits[:, -keep - 1 : -1].float()
+        logps = torch.log_softmax(logits / trainer.temperature, -1).gather(-1, ids[:, -keep:, None])[..., 0]
+        reference = per_token_logps_fused(policy.module, ids, mask, keep, None)
+    report = {}
+    if "ref" in loaded.peft_config or os.path.isdir(os.path.join(adapter_dir, "ref")):  # TRL's frozen copy (beta > 0)
+        from safetensors.torch import load_file
+
+        trained = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+        ref = load_file(os.path.join(adapter_dir, "ref", "adapter_model.safetensors"))
+        report["ref_adapter_saved"] = sorted(ref) == sorted(trained) and any(
+            not torch.equal(ref[k], trained[k]) for k in ref
+        )
+    return report | {
+        "adapter_files": sorted(os.listdir(adapter_dir)),
+        "adapter_equals_generator": all(
+            torch.equal(own[name], policy._own[name].cpu())
+            for name in policy.trainable_names
+        ),
+        "adapter_tensors": len(policy.trainable_names),
+        "adapter_logps_max_abs_diff": (logps - reference).abs().max().item(),
+    }
+
+
+def resume_bit_for_bit(out_dir, tokenizer, lora):
+    """The uninterrupted run against a run stopped after its step-2 checkpoint and resumed from it."""
+    settings = dict(reproducible_generation=True, save_strategy="steps", save_steps=2)
+    uninterrupted = make(os.path.join(out_dir, "a"), tokenizer, lora, **settings)
+    uninterrupted.train()
+    interrupted = make(os.path.join(out_dir, "b"), tokenizer, lora, **settings)
+    interrupted.add_callback(StopAt(2))
+    try:
+        interrupted.train()
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the interrupted run was not stopped")
+    checkpoint = os.path.join(out_dir, "b", "checkpoint-2")
+    at_stop = full_weights(interrupted)
+    resumed = make(os.path.join(out_dir, "b"), tokenizer, lora, seed=123, **settings)
+    initial = full_weights(resumed)
+
+    class AtStart(TrainerCallback):  # the weights the sharded checkpoint loaded (every process gathers)
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.weights = full_weights(resumed)
+
+    at_start = AtStart()
+    resumed.add_callback(at_start)
+    resumed.train(resume_from_checkpoint=checkpoint)
+    a, b = full_weights(uninterrupted), full_weights(resumed)
+    return {
+        "checkpoint_files": sorted(os.listdir(checkpoint)),
+        "uninterrupted": {key: logged_after(uninterrupted, key, 2) for key in LOGGED},
+        "resumed": {key: logged_after(resumed, key, 2) for key in LOGGED},
+        "loaded_weights_equal_stopped": all(torch.equal(at_stop[n], at_start.weights[n]) for n in at_stop),
+        "loaded_weights_differ_from_init": any(not torch.equal(initial[n], at_start.weights[n]) for n in initial),
+        "final_weights_equal": sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a),
+    }
+
+
+def main():
+    out_dir = sys.argv[1]
+    lora, resume, with_extras = "--lora" in sys.argv, "--resume" in sys.argv, "--extras" in sys.argv
+    tokenizer = make_tokenizer()
+    if resume:
+        report = resume_bit_for_bit(out_dir, tokenizer, lora)
+        rank = int(os.environ["RANK"])
+    else:
+        trainer, report = train_and_check(os.path.join(out_dir, "run"), tokenizer, lora, with_extras)
+        rank = trainer.accelerator.process_index
+    report["rank"] = rank
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main()
