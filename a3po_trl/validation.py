@@ -170,12 +170,6 @@ def check_trainer(trainer) -> None:
             "(examples/accelerate_configs/fsdp2.yaml), or fsdp_config={'version': 2} in the training arguments; or "
             "use DDP or DeepSpeed ZeRO-2/3."
         )
-    if trainer.is_fsdp_enabled and trainer._use_vllm_backend:
-        raise NotImplementedError(
-            "use_vllm=True under FSDP2 is not supported yet: publishing gathered weights to a vLLM engine or server "
-            "is not built. Generate with the default `generate` backend (use_vllm=False) under FSDP2, or use vLLM "
-            "with DDP or DeepSpeed ZeRO-2/3."
-        )
     if trainer.train_dataset is not None and hasattr(trainer.train_dataset, "__len__"):
         prompts_needed = trainer.args.generation_batch_size // trainer.num_generations
         if len(trainer.train_dataset) < prompts_needed:

@@ -15,6 +15,7 @@ import torch
 from helpers import COMMON as TRAINER_COMMON
 from helpers import free_port, logged
 from tiny import length_reward, make_prompts, make_tokenizer, make_vllm_model
+from vllm_launch import start_server, wait_healthy
 
 pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -213,40 +214,6 @@ def test_stop_ends_a_running_batch_within_a_decoding_step(tokenizer, tmp_path):
 # ---- server mode: a real `trl vllm-serve` on this machine -----------------------------------------------------------
 
 
-def _start_server(model_dir, port, log_path):
-    """`trl vllm-serve` as a user starts it, plus what the trainer's CPU paths need (see the README)."""
-    import shutil
-    import subprocess
-    import sys
-
-    trl = shutil.which("trl", path=os.path.dirname(sys.executable))
-    command = [
-        trl, "vllm-serve", "--model", str(model_dir), "--dtype", "float32", "--enforce_eager", "true",
-        "--host", "127.0.0.1", "--port", str(port), "--max_model_len", "256", "--skip-tokenizer-init",
-        "--worker-extension-cls", "a3po_trl.generation.vllm.worker.A3POWorkerExtension",
-        "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--max-cpu-loras", "8",
-    ]  # fmt: skip
-    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "OMP_NUM_THREADS": "1"}
-    log = open(log_path, "w")
-    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _wait_healthy(process, url, log_path, timeout=300):
-    import requests
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"vLLM server exited ({process.returncode}): {open(log_path).read()[-3000:]}")
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except requests.exceptions.RequestException:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"vLLM server not healthy after {timeout} s: {open(log_path).read()[-3000:]}")
-
-
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory, tokenizer):
     """One server for the module, on a saved tiny model; the tests that leave it with other weights run last."""
@@ -256,10 +223,10 @@ def vllm_server(tmp_path_factory, tokenizer):
     make_vllm_model(tokenizer).save_pretrained(root / "model")
     port = free_port()
     log_path = root / "server.log"
-    process = _start_server(root / "model", port, log_path)
+    process = start_server(root / "model", port, log_path)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(process, url, log_path)
+        wait_healthy(process, url, log_path)
         yield {"url": url, "port": port, "model": root / "model", "process": process}
     finally:
         if process.poll() is None:
@@ -600,10 +567,10 @@ def test_a_shared_full_weight_server_killed_mid_run_ends_both_processes_within_s
     model_dir = tmp_path / "model"
     make_vllm_model(tokenizer).save_pretrained(model_dir)
     port = free_port()
-    server = _start_server(model_dir, port, tmp_path / "server.log")
+    server = start_server(model_dir, port, tmp_path / "server.log")
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(server, url, tmp_path / "server.log")
+        wait_healthy(server, url, tmp_path / "server.log")
         result, _, reports = _launch_two_processes(
             tmp_path, model_dir, "server", "--url", url, "--steps", "8", "--kill-server", str(server.pid),
             "--kill-at-step", "2", timeout=600,

@@ -2,11 +2,15 @@
 server shared by both.
 
 accelerate launch --config_file CONFIG tests/scripts/distributed_vllm.py OUT_DIR MODEL_DIR MODE [--url URL] [--lora]
-    [--fail-rank R] [--reproducible] [--steps N] [--kill-server PID --kill-at-step S]
+    [--fail-rank R] [--reproducible] [--steps N] [--kill-server PID --kill-at-step S] [--fsdp2] [--unsaved] [--dora]
+    [--staleness K]
 
 MODE is ``colocate`` or ``server``. ``--fail-rank R``: process R's engine raises on its second batch (a fault in one
 process). ``--kill-server PID --kill-at-step S``: process 0 kills the server's process group once checkpoint S is
-saved (checkpoints every step then). One JSON report per rank, written also when training fails.
+saved (checkpoints every step then). ``--fsdp2``: launched with an FSDP2 config, turned on for CPU by
+tests/fsdp_cpu.py (the report says how many parameters are sharded). ``--unsaved``: the model is built in memory (no
+checkpoint directory: the colocated engine starts from a copy the trainer writes). ``--dora``: a LoRA config vLLM
+cannot serve as an adapter (merged into a private copy). One JSON report per rank, written also when training fails.
 """
 
 import json
@@ -21,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from helpers import distributed_script_config  # noqa: E402
 from peft import LoraConfig  # noqa: E402
-from tiny import length_reward, make_prompts, make_tokenizer  # noqa: E402
+from tiny import length_reward, make_prompts, make_tokenizer, make_vllm_model  # noqa: E402
 from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
 
 from a3po_trl import AsyncA3POTrainer  # noqa: E402
@@ -33,9 +37,36 @@ def option(name, default=None):
     return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
 
 
+def sharding(trainer):
+    """How the prepared (trained) model's parameters are held: DTensor shards smaller than the parameter under FSDP2."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(trainer._unwrapped_model().named_parameters())
+    sharded = [n for n, p in params if isinstance(p, DTensor) and p.to_local().numel() < p.numel()]
+    return {
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "model_class": type(trainer._unwrapped_model()).__name__,
+        "parameters": len(params),
+        "sharded_parameters": len(sharded),
+    }
+
+
+def engine_model(backend):
+    """The checkpoint a colocated engine started from, and its files (None for a server)."""
+    llm = getattr(backend, "llm", None)
+    if llm is None:
+        return None
+    path = str(llm.llm_engine.model_config.model)
+    return {"path": path, "files": sorted(os.listdir(path)) if os.path.isdir(path) else None}
+
+
 def main():
     out_dir, model_dir, mode = sys.argv[1:4]
-    lora = "--lora" in sys.argv
+    if "--fsdp2" in sys.argv:
+        from fsdp_cpu import force_fsdp_on_cpu
+
+        force_fsdp_on_cpu()
+    lora = "--lora" in sys.argv or "--dora" in sys.argv
     fail_rank = option("--fail-rank")
     settings = dict(
         max_steps=int(option("--steps", 3)),
@@ -46,6 +77,8 @@ def main():
     )
     if mode == "server":
         settings["vllm_server_base_url"] = option("--url")
+    if option("--staleness") is not None:
+        settings["max_staleness"] = int(option("--staleness"))
     if "--reproducible" in sys.argv:
         settings["reproducible_generation"] = True
     kill_pid, kill_step = option("--kill-server"), int(option("--kill-at-step", 0))
@@ -61,13 +94,16 @@ def main():
         return result
 
     trainer_module.group_advantages = recording_group_advantages
-    peft_config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM") if lora else None
+    lora_settings = dict(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+    peft_config = LoraConfig(**lora_settings, use_dora="--dora" in sys.argv) if lora else None
+    tokenizer = make_tokenizer()
+    unsaved = "--unsaved" in sys.argv
     trainer = AsyncA3POTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_dir),
+        model=make_vllm_model(tokenizer) if unsaved else AutoModelForCausalLM.from_pretrained(model_dir),
         reward_funcs=[length_reward],
         args=args,
         train_dataset=make_prompts(32),
-        processing_class=make_tokenizer(),
+        processing_class=tokenizer,
         peft_config=peft_config,
     )
     rank = trainer.accelerator.process_index
@@ -132,12 +168,15 @@ def main():
         global_step=trainer.state.global_step,
         batches_consumed=engine.consumed if engine is not None else 0,
         adapter=getattr(trainer._backend, "_adapter", None),
+        engine_model=engine_model(trainer._backend),
+        merge_copy=type(getattr(trainer._backend, "_merge_copy", None)).__name__,
         max_staleness_seen=max([h["a3po/staleness_max"] for h in history if "a3po/staleness_max" in h] or [-1]),
         mismatch_max=[h["a3po/behavior_mismatch_max"] for h in history if "a3po/behavior_mismatch_max" in h],
         generator_versions=[h["async/generator_version"] for h in history if "async/generator_version" in h],
         advantage_calls=advantage_calls,
         local_advantages=local_advantages,
         threads_alive=sorted(t.name for t in threading.enumerate()),
+        **sharding(trainer),  # after train(): the Trainer prepares (shards) the model there
     )
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)

@@ -116,7 +116,7 @@ class HFGenerateBackend(GenerationBackend):
             strip_instance_forwards(self.module)
         else:
             shares = False
-            self.module = _fresh_copy(module, gather)
+            self.module = unsharded_copy(module, gather)
         if not shares:
             self.module.to(device)
         self.module.eval()
@@ -260,7 +260,7 @@ def _autocast(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype is not None)
 
 
-def _fresh_copy(module: nn.Module, gather) -> nn.Module:
+def unsharded_copy(module: nn.Module, gather) -> nn.Module:
     """An unsharded copy of a sharded (ZeRO-3, FSDP2) causal LM or PEFT model: built from its config, loaded with its
     weights gathered one tensor at a time.
 

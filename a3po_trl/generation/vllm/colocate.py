@@ -32,6 +32,8 @@ from torch import nn
 from ...patches import strip_instance_forwards
 from ...types import GenerationStopped
 from ..backend import GenerationBackend
+from ..gather import as_parameter_gather
+from ..hf.backend import unsharded_copy
 from .common import (
     VLLMSamplingSettings,
     active_lora,
@@ -90,8 +92,13 @@ class VLLMColocateBackend(GenerationBackend):
                     "weight load per version.",
                     reason,
                 )
-                self._merge_copy = copy.deepcopy(module).to(device).eval()
-                strip_instance_forwards(self._merge_copy)
+                if as_parameter_gather(gather).sharded:
+                    # FSDP2 / ZeRO-3: an unsharded copy rebuilt from the config, each tensor gathered in turn (a
+                    # collective: this runs in the main thread of every process together, in _start_engine)
+                    self._merge_copy = unsharded_copy(module, as_parameter_gather(gather)).to(device).eval()
+                else:
+                    self._merge_copy = copy.deepcopy(module).to(device).eval()
+                    strip_instance_forwards(self._merge_copy)
         trainable, staging = staging_buffers(module, device if device.type == "cuda" else torch.device("cpu"))
         super().__init__(trainable, staging, gather, device)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights move without copies

@@ -117,7 +117,7 @@ def base_checkpoint_tensors(peft_module) -> dict[str, torch.Tensor]:
     return {
         checkpoint_name(name): param.detach()
         for name, param in peft_module.named_parameters()
-        if _is_base_weight(peft_module, name)
+        if is_base_weight(peft_module, name)
     }
 
 
@@ -141,7 +141,7 @@ def merged_checkpoint_tensors(peft_module) -> Iterator[tuple[str, torch.Tensor]]
     adapted = {id(p) for group in layers.values() for p in group[0].get_base_layer().parameters(recurse=False)}
     names = {id(param): name for name, param in peft_module.named_parameters()}
     for name, param in peft_module.named_parameters():
-        if _is_base_weight(peft_module, name) and id(param) not in adapted:
+        if is_base_weight(peft_module, name) and id(param) not in adapted:
             yield checkpoint_name(name), param.detach()
     for group in layers.values():
         merged = _merged_out_of_place(group)
@@ -169,7 +169,7 @@ def _merged_out_of_place(layers) -> list[tuple[nn.Parameter, torch.Tensor]]:
             param.data = original
 
 
-def _is_base_weight(peft_module, name: str) -> bool:
+def is_base_weight(peft_module, name: str) -> bool:
     """Whether a PEFT model's parameter belongs in the base model's checkpoint: not an adapter weight, not the
     original of a ``modules_to_save`` module (its trainable copy is)."""
     return peft_module.prefix not in name and "original_module" not in name

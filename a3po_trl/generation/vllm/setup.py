@@ -25,6 +25,8 @@ with the fix:
 
 from __future__ import annotations
 
+import copy
+import json
 import logging
 import os
 import tempfile
@@ -32,7 +34,8 @@ import tempfile
 import torch
 
 from ...patches import peft_base_model
-from .common import VLLMSamplingSettings, base_checkpoint_tensors
+from ..gather import as_parameter_gather
+from .common import VLLMSamplingSettings, base_checkpoint_tensors, checkpoint_name, is_base_weight
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +45,12 @@ def engine_dtype(module: torch.nn.Module) -> str:
     return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "auto")
 
 
-def base_model_path(module: torch.nn.Module) -> str:
+def base_model_path(module: torch.nn.Module, gather=None) -> str:
     """Where the engine loads the base model of the training ``module`` from: its local directory or hub id, else a
-    copy saved now."""
+    copy saved now. ``gather``: the trainer's :class:`~a3po_trl.generation.gather.ParameterGather`; when the
+    parameters are sharded (FSDP2, ZeRO-3) the copy is written from whole tensors gathered one at a time, which is a
+    collective: called in the main thread of every process together (the backends are built in ``_start_engine``),
+    and every process gathers every tensor whatever its checks found (no early exit between processes)."""
     base = peft_base_model(module)
     name = str(getattr(base.config, "_name_or_path", "") or "")
     if os.path.isfile(os.path.join(name, "config.json")):
@@ -53,11 +59,54 @@ def base_model_path(module: torch.nn.Module) -> str:
         return name  # a hub id: the engine downloads it as GRPOTrainer's does
     directory = tempfile.mkdtemp(prefix="a3po-vllm-model-")
     logger.info("Saving the base model to %s for the vLLM engine (it has no checkpoint directory).", directory)
-    if hasattr(module, "get_base_model"):  # the base weights under their checkpoint names, without the adapters
+    gather = as_parameter_gather(gather)
+    if gather.sharded:
+        write_gathered_checkpoint(module, directory, gather)
+    elif hasattr(module, "get_base_model"):  # the base weights under their checkpoint names, without the adapters
         base.save_pretrained(directory, state_dict=base_checkpoint_tensors(module))
     else:
         base.save_pretrained(directory)
     return directory
+
+
+def write_gathered_checkpoint(module: torch.nn.Module, directory: str, gather, shard_bytes: int = 2**30) -> None:
+    """Write the base model of a sharded ``module`` (a causal LM, or a PEFT model around one: its base weights
+    only, under their checkpoint names) as a Hugging Face checkpoint vLLM loads: ``config.json`` naming the
+    unsharded class (``fully_shard`` renames it ``FSDP<Class>``) and safetensors files of at most ``shard_bytes``
+    each with their index. Each parameter is gathered whole on every process (``gather``, in order), copied to CPU
+    and written once ``shard_bytes`` have been collected: the whole model never sits in memory beside the shards.
+    Parameters tied to another (a tied LM head) appear once, under the first name, as ``save_pretrained`` writes
+    them; buffers are not written (vLLM does not load them)."""
+    from safetensors.torch import save_file
+
+    from ..hf.backend import unsharded_class
+
+    base = peft_base_model(module)
+    is_peft = hasattr(module, "get_base_model")
+    named = [(n, p) for n, p in module.named_parameters() if not is_peft or is_base_weight(module, n)]
+    files, weight_map, pending, size = [], {}, {}, 0
+
+    def flush():
+        nonlocal pending, size
+        if pending:
+            files.append(f"model-{len(files) + 1:05d}.safetensors")
+            save_file(pending, os.path.join(directory, files[-1]), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(pending, files[-1]))
+        pending, size = {}, 0
+
+    for name, tensor in gather.full_tensors(named):
+        pending[checkpoint_name(name)] = tensor.to("cpu", copy=True).contiguous()
+        size += tensor.numel() * tensor.element_size()
+        if size >= shard_bytes:
+            flush()
+    flush()
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    config = copy.deepcopy(base.config)
+    config.architectures = [unsharded_class(base).__name__]
+    config.save_pretrained(directory)
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(directory)
 
 
 def build_vllm_backend(
@@ -107,4 +156,5 @@ def build_vllm_backend(
         # built in _start_engine, which every process reaches at the same step). Each group holds this process
         # alone (tensor, pipeline and data parallel size 1), so generating never communicates with another process.
         engine_kwargs["distributed_executor_backend"] = "external_launcher"
-    return VLLMColocateBackend(module, base_model_path(module), sampling, engine_kwargs, device=device, gather=gather)
+    model_path = base_model_path(module, gather)
+    return VLLMColocateBackend(module, model_path, sampling, engine_kwargs, device=device, gather=gather)
