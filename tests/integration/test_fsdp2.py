@@ -9,13 +9,10 @@ import json
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import yaml
 from helpers import free_port
-
-from a3po_trl.validation import check_trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "fsdp2_tiny.py")
@@ -115,11 +112,3 @@ def test_fsdp1_is_refused_naming_fsdp_version_2(tmp_path):
     assert "NotImplementedError: FSDP1 (fsdp_version: 1) is not supported" in stderr
     assert "Set `fsdp_version: 2` in the accelerate config" in stderr
 
-
-def test_vllm_under_fsdp2_is_refused_with_the_fix():
-    """A stand-in for the trainer accelerate set up with FSDP2 (checked once GRPOTrainer has built the accelerator)."""
-    trainer = SimpleNamespace(
-        _is_vlm=False, is_fsdp_enabled=True, accelerator=SimpleNamespace(is_fsdp2=True), _use_vllm_backend=True
-    )
-    with pytest.raises(NotImplementedError, match="use_vllm=True under FSDP2 is not supported yet"):
-        check_trainer(trainer)

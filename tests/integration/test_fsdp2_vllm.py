@@ -22,6 +22,7 @@ from tiny import make_vllm_model
 from vllm_launch import start_server, wait_healthy
 
 pytest.importorskip("vllm")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # as test_vllm.py: the engines' KV cache, not a memory fraction
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -41,14 +42,15 @@ def _launch(tmp_path, model_dir, mode, *extra, timeout=900):
     out = tmp_path / "out"
     out.mkdir()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "fsdp2.yaml")]
     command = [*launch, SCRIPT, str(out), str(model_dir), mode, "--fsdp2", "--steps", str(STEPS), *extra]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    reports = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
+    errors = [r["traceback"] for r in reports if "error" in r]  # a rank's own error, else the launcher's output
+    assert result.returncode == 0 and not errors, "\n".join(errors) or result.stdout[-3000:] + result.stderr[-6000:]
     assert "terminate called" not in result.stderr, result.stderr[-6000:]
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    return reports
 
 
 def _check_sharded_run(reports, max_staleness=1):
@@ -69,15 +71,18 @@ def _check_sharded_run(reports, max_staleness=1):
         assert "a3po-generation" not in r["threads_alive"]  # the generation thread is joined
 
 
-def test_fsdp2_colocated_engines_start_from_a_gathered_copy_and_follow_every_version(tmp_path):
-    """An in-process engine per process (external_launcher over the FSDP2 process group), full weights; the model
-    has no checkpoint directory, so each process writes one from whole tensors gathered by every process together."""
-    reports = _launch(tmp_path, "unused", "colocate", "--unsaved")
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_fsdp2_colocated_engines_start_from_a_gathered_copy_and_follow_every_version(tmp_path, lora):
+    """An in-process engine per process (external_launcher over the FSDP2 process group), full weights or a LoRA
+    adapter per version; the model has no checkpoint directory, so each process writes one from whole tensors
+    gathered by every process together (under LoRA the base weights only, under their checkpoint names)."""
+    reports = _launch(tmp_path, "unused", "colocate", "--unsaved", *(["--lora"] if lora else []))
     _check_sharded_run(reports)
     for r in reports:
         engine = r["engine_model"]
         assert os.path.basename(engine["path"]).startswith("a3po-vllm-model-")
         assert {"config.json", "model.safetensors.index.json", "model-00001.safetensors"} <= set(engine["files"])
+        assert (r["lora_request"] is not None) == lora  # LoRA: each version an adapter on the gathered base
 
 
 def test_fsdp2_colocated_dora_merges_into_an_unsharded_copy(tmp_path, tokenizer):

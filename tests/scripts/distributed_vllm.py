@@ -38,7 +38,7 @@ def option(name, default=None):
 
 
 def sharding(trainer):
-    """How the prepared (trained) model's parameters are held: DTensor shards smaller than the parameter under FSDP2."""
+    """How the trained model's parameters are held: DTensor shards smaller than the parameter under FSDP2."""
     from torch.distributed.tensor import DTensor
 
     params = list(trainer._unwrapped_model().named_parameters())
@@ -168,6 +168,7 @@ def main():
         global_step=trainer.state.global_step,
         batches_consumed=engine.consumed if engine is not None else 0,
         adapter=getattr(trainer._backend, "_adapter", None),
+        lora_request=getattr(getattr(trainer._backend, "_lora_request", None), "lora_name", None),
         engine_model=engine_model(trainer._backend),
         merge_copy=type(getattr(trainer._backend, "_merge_copy", None)).__name__,
         max_staleness_seen=max([h["a3po/staleness_max"] for h in history if "a3po/staleness_max" in h] or [-1]),
