@@ -39,6 +39,7 @@ from .common import VLLMSamplingSettings, base_checkpoint_tensors, checkpoint_na
 
 logger = logging.getLogger(__name__)
 
+
 def engine_dtype(module: torch.nn.Module) -> str:
     """The engine's dtype: the training weights' (vLLM's ``auto`` would turn an fp32 model into bf16 on CPU)."""
     dtype = next(module.parameters()).dtype
@@ -50,16 +51,20 @@ def base_model_path(module: torch.nn.Module, gather=None) -> str:
     copy saved now. ``gather``: the trainer's :class:`~a3po_trl.generation.gather.ParameterGather`; when the
     parameters are sharded (FSDP2, ZeRO-3) the copy is written from whole tensors gathered one at a time, which is a
     collective: called in the main thread of every process together (the backends are built in ``_start_engine``),
-    and every process gathers every tensor whatever its checks found (no early exit between processes)."""
+    and every process gathers every tensor whatever its own checks found: the processes first agree whether any of
+    them needs the copy (a checkpoint directory may exist on one machine and not on another)."""
     base = peft_base_model(module)
     name = str(getattr(base.config, "_name_or_path", "") or "")
-    if os.path.isfile(os.path.join(name, "config.json")):
-        return name  # a local checkpoint
-    if name.count("/") == 1 and not name.startswith((".", "/")) and not os.path.exists(name):
-        return name  # a hub id: the engine downloads it as GRPOTrainer's does
+    gather = as_parameter_gather(gather)
+    found = _existing_model_path(name)
+    if gather.sharded and torch.distributed.is_available() and torch.distributed.is_initialized():
+        everyone = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, found is not None)
+        found = found if all(everyone) else None
+    if found is not None:
+        return found
     directory = tempfile.mkdtemp(prefix="a3po-vllm-model-")
     logger.info("Saving the base model to %s for the vLLM engine (it has no checkpoint directory).", directory)
-    gather = as_parameter_gather(gather)
     if gather.sharded:
         write_gathered_checkpoint(module, directory, gather)
     elif hasattr(module, "get_base_model"):  # the base weights under their checkpoint names, without the adapters
@@ -69,6 +74,15 @@ def base_model_path(module: torch.nn.Module, gather=None) -> str:
     return directory
 
 
+def _existing_model_path(name: str) -> str | None:
+    """``name`` when it is a local checkpoint directory or a hub id (the engine downloads it as GRPOTrainer's does)."""
+    if os.path.isfile(os.path.join(name, "config.json")):
+        return name
+    if name.count("/") == 1 and not name.startswith((".", "/")) and not os.path.exists(name):
+        return name
+    return None
+
+
 def write_gathered_checkpoint(module: torch.nn.Module, directory: str, gather, shard_bytes: int = 2**30) -> None:
     """Write the base model of a sharded ``module`` (a causal LM, or a PEFT model around one: its base weights
     only, under their checkpoint names) as a Hugging Face checkpoint vLLM loads: ``config.json`` naming the
@@ -76,7 +90,8 @@ def write_gathered_checkpoint(module: torch.nn.Module, directory: str, gather, s
     each with their index. Each parameter is gathered whole on every process (``gather``, in order), copied to CPU
     and written once ``shard_bytes`` have been collected: the whole model never sits in memory beside the shards.
     Parameters tied to another (a tied LM head) appear once, under the first name, as ``save_pretrained`` writes
-    them; buffers are not written (vLLM does not load them)."""
+    them; buffers are not written (vLLM does not load them). A process that fails to write keeps gathering to the
+    end, so that the others are not left in a collective, and raises then."""
     from safetensors.torch import save_file
 
     from ..hf.backend import unsharded_class
@@ -84,22 +99,28 @@ def write_gathered_checkpoint(module: torch.nn.Module, directory: str, gather, s
     base = peft_base_model(module)
     is_peft = hasattr(module, "get_base_model")
     named = [(n, p) for n, p in module.named_parameters() if not is_peft or is_base_weight(module, n)]
-    files, weight_map, pending, size = [], {}, {}, 0
+    files, weight_map, pending, size, failure = [], {}, {}, 0, None
 
     def flush():
-        nonlocal pending, size
-        if pending:
-            files.append(f"model-{len(files) + 1:05d}.safetensors")
-            save_file(pending, os.path.join(directory, files[-1]), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(pending, files[-1]))
+        nonlocal pending, size, failure
+        if pending and failure is None:
+            try:
+                files.append(f"model-{len(files) + 1:05d}.safetensors")
+                save_file(pending, os.path.join(directory, files[-1]), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(pending, files[-1]))
+            except Exception as error:  # noqa: BLE001 - raised once every tensor was gathered
+                failure = error
         pending, size = {}, 0
 
     for name, tensor in gather.full_tensors(named):
-        pending[checkpoint_name(name)] = tensor.to("cpu", copy=True).contiguous()
-        size += tensor.numel() * tensor.element_size()
+        if failure is None:
+            pending[checkpoint_name(name)] = tensor.to("cpu", copy=True).contiguous()
+            size += tensor.numel() * tensor.element_size()
         if size >= shard_bytes:
             flush()
     flush()
+    if failure is not None:
+        raise RuntimeError(f"Could not write the gathered base model to {directory} for the vLLM engine.") from failure
     with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
     config = copy.deepcopy(base.config)
