@@ -25,6 +25,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -104,8 +105,6 @@ def _start_server(options, model_dir: str, log_path: Path):
 
 def _launch_config(options) -> str:
     """An accelerate config for ``--processes`` DDP processes on this machine (on CPU, gloo with ``use_cpu``)."""
-    import tempfile
-
     path = Path(tempfile.mkdtemp(prefix="a3po-backends-")) / "accelerate.yaml"
     path.write_text(
         "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\n"
@@ -132,7 +131,7 @@ def _run_one(options) -> dict:
     elif backend == "vllm-server":
         vllm.update(vllm_mode="server", vllm_server_base_url=options.server_url)
     args = AsyncA3POConfig(
-        output_dir=str(Path(options.out or "/tmp/a3po-backends").with_suffix("") / backend),
+        output_dir=str(Path(tempfile.gettempdir()) / "a3po-backends" / backend),  # nothing is saved; logs only
         per_device_train_batch_size=options.batch,
         num_generations=options.num_generations,
         max_completion_length=options.max_completion_length,
@@ -236,7 +235,7 @@ def main() -> None:
         if backend not in BACKENDS:
             raise SystemExit(f"--backends: unknown backend {backend!r}; choose from {BACKENDS}")
         server, extra = None, []
-        log_dir = Path(options.out).parent if options.out else Path("/tmp")
+        log_dir = Path(tempfile.gettempdir())
         if backend == "vllm-server":
             server, url = _start_server(options, _model_dir(options.model), log_dir / "backends-server.log")
             extra = ["--server-url", url]
