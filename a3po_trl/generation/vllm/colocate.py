@@ -33,7 +33,7 @@ from ...patches import strip_instance_forwards
 from ...types import GenerationStopped
 from ..backend import GenerationBackend
 from ..gather import as_parameter_gather
-from ..hf.backend import unsharded_copy
+from ..unsharded import unsharded_copy
 from .common import (
     VLLMSamplingSettings,
     active_lora,

@@ -94,7 +94,7 @@ def write_gathered_checkpoint(module: torch.nn.Module, directory: str, gather, s
     end, so that the others are not left in a collective, and raises then."""
     from safetensors.torch import save_file
 
-    from ..hf.backend import unsharded_class
+    from ..unsharded import unsharded_class
 
     base = peft_base_model(module)
     is_peft = hasattr(module, "get_base_model")
