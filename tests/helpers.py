@@ -10,7 +10,10 @@ holds *how* the tests build, run and inspect the trainer, and so depends on the 
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 
 import torch
 from tiny import length_reward, make_model, make_prompts
@@ -121,3 +124,28 @@ def distributed_script_config(out_dir: str, **overrides):
         disable_tqdm=True,
     )
     return AsyncA3POConfig(**{**settings, **overrides})
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FSDP2_EXAMPLE = os.path.join(ROOT, "examples", "accelerate_configs", "fsdp2.yaml")
+
+
+def launch_fsdp2(tmp_path, script, *args, fsdp_config=None, timeout=600):
+    """``script OUT *args`` under ``accelerate launch`` with examples/accelerate_configs/fsdp2.yaml (two processes;
+    mixed precision off, as bf16 needs a GPU; a free port; ``fsdp_config`` entries overridden), the repository on
+    the path. Returns the launcher's result and ``OUT`` (``tmp_path/out``, where the script writes its reports)."""
+    import yaml
+
+    config = yaml.safe_load(open(FSDP2_EXAMPLE))
+    config.update(mixed_precision="no", main_process_port=free_port())
+    config["fsdp_config"].update(fsdp_config or {})
+    (tmp_path / "fsdp2.yaml").write_text(yaml.safe_dump(config))
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "fsdp2.yaml")]
+    result = subprocess.run(
+        [*command, script, str(out), *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+    return result, out

@@ -7,34 +7,19 @@ shard smaller than the parameter) and takes accelerate's FSDP2 paths for checkpo
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-import yaml
-from helpers import free_port
+from helpers import launch_fsdp2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "fsdp2_tiny.py")
-EXAMPLE = os.path.join(ROOT, "examples", "accelerate_configs", "fsdp2.yaml")
 LOGPS_TOLERANCE = 1e-6
 """Largest difference (nats per token) allowed between the generator's and the training forward's log-probs of the
 same completion at the same version: both run in fp32 on the same whole weights (measured here: 0.0)."""
 
 
 def _launch(tmp_path, *flags, fsdp_config=None, succeed=True):
-    config = yaml.safe_load(open(EXAMPLE))
-    config.update(mixed_precision="no", main_process_port=free_port())  # bf16 needs a GPU
-    config["fsdp_config"].update(fsdp_config or {})
-    (tmp_path / "fsdp2.yaml").write_text(yaml.safe_dump(config))
-    out = tmp_path / "out"
-    out.mkdir()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "fsdp2.yaml")]
-    result = subprocess.run(
-        [*cmd, SCRIPT, str(out), *flags], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT
-    )
+    result, out = launch_fsdp2(tmp_path, SCRIPT, *flags, fsdp_config=fsdp_config)
     if not succeed:
         assert result.returncode != 0
         return result.stderr
@@ -111,4 +96,3 @@ def test_fsdp1_is_refused_naming_fsdp_version_2(tmp_path):
     stderr = _launch(tmp_path, fsdp_config={"fsdp_version": 1, "fsdp_sync_module_states": False}, succeed=False)
     assert "NotImplementedError: FSDP1 (fsdp_version: 1) is not supported" in stderr
     assert "Set `fsdp_version: 2` in the accelerate config" in stderr
-

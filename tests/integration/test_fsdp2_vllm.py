@@ -13,11 +13,9 @@ import json
 import os
 import signal
 import subprocess
-import sys
 
 import pytest
-import yaml
-from helpers import free_port
+from helpers import free_port, launch_fsdp2
 from tiny import make_vllm_model
 from vllm_launch import start_server, wait_healthy
 
@@ -28,7 +26,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "distributed_vllm.py")
-EXAMPLE = os.path.join(ROOT, "examples", "accelerate_configs", "fsdp2.yaml")
 LOGP_TOLERANCE = 1e-4
 """As test_vllm.py: the fp32 engine against the fp32 training forward, on the same whole weights (what vLLM's CPU
 kernels differ by; measured ~1e-6)."""
@@ -36,16 +33,8 @@ STEPS = 3
 
 
 def _launch(tmp_path, model_dir, mode, *extra, timeout=900):
-    config = yaml.safe_load(open(EXAMPLE))
-    config.update(mixed_precision="no", main_process_port=free_port())  # bf16 needs a GPU
-    (tmp_path / "fsdp2.yaml").write_text(yaml.safe_dump(config))
-    out = tmp_path / "out"
-    out.mkdir()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "fsdp2.yaml")]
-    command = [*launch, SCRIPT, str(out), str(model_dir), mode, "--fsdp2", "--steps", str(STEPS), *extra]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    args = [str(model_dir), mode, "--fsdp2", "--steps", str(STEPS), *extra]
+    result, out = launch_fsdp2(tmp_path, SCRIPT, *args, timeout=timeout)
     reports = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
     errors = [r["traceback"] for r in reports if "error" in r]  # a rank's own error, else the launcher's output
     assert result.returncode == 0 and not errors, "\n".join(errors) or result.stdout[-3000:] + result.stderr[-6000:]

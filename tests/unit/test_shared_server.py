@@ -86,6 +86,16 @@ def run_processes(world_size, num_batches, min_version, exact, publish_delay=0.0
     return server, used
 
 
+def processes_between_batches(version, world_size=2, **settings):
+    """Processes that have all published ``version`` and are between batches (they will take the newest)."""
+    store, server = dist.HashStore(), FakeServer()
+    coordinators = [SharedServerVersions(store, rank, world_size, **settings) for rank in range(world_size)]
+    for coordinator in coordinators:
+        coordinator.published(version)
+        coordinator.release(None)
+    return server, coordinators
+
+
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_batch_of_every_process_is_generated_by_the_version_it_holds(world_size, seed):
@@ -110,11 +120,7 @@ def test_reproducible_runs_generate_every_batch_with_exactly_its_scheduled_versi
 
 def test_a_process_past_a_version_is_not_switched_back_to_it():
     """A process that loaded an old version while the others moved the server on loads its newest instead."""
-    store, server = dist.HashStore(), FakeServer()
-    a, b = (SharedServerVersions(store, rank, 2) for rank in range(2))
-    for coordinator in (a, b):
-        coordinator.published(0)
-        coordinator.release(None)  # between batches: will take the newest
+    server, (a, b) = processes_between_batches(0)
     assert a.acquire(0, server.loader(0))
     a.release(None)
     for coordinator in (a, b):
@@ -143,12 +149,9 @@ def wait_in_thread(coordinator, version, load):
 
 def blocked_pair(liveness_timeout=15.0):
     """Process 0 waits to switch to version 1 while process 1, which published only version 0, holds version 0."""
-    store, server = dist.HashStore(), FakeServer()
-    waiting = SharedServerVersions(store, 0, 2, liveness_timeout=liveness_timeout, heartbeat_interval=0.1)
-    holding = SharedServerVersions(store, 1, 2, liveness_timeout=liveness_timeout, heartbeat_interval=0.1)
-    for coordinator in (waiting, holding):
-        coordinator.published(0)
-        coordinator.release(None)
+    server, (waiting, holding) = processes_between_batches(
+        0, liveness_timeout=liveness_timeout, heartbeat_interval=0.1
+    )
     assert holding.acquire(0, server.loader(0))
     waiting.published(1)
     return waiting, holding, server
@@ -184,11 +187,7 @@ def test_a_process_that_closed_or_died_fails_the_waiting_one_within_seconds():
 
 def test_a_new_round_loads_the_server_again_and_may_go_back_in_versions():
     """A resumed run (every process resets together) may start from an older version than the server holds."""
-    store, server = dist.HashStore(), FakeServer()
-    a, b = (SharedServerVersions(store, rank, 2) for rank in range(2))
-    for coordinator in (a, b):
-        coordinator.published(5)
-        coordinator.release(None)
+    server, (a, b) = processes_between_batches(5)
     assert a.acquire(5, server.loader(5))
     a.release(None)
     for coordinator in (a, b):
@@ -203,11 +202,7 @@ def test_a_process_does_not_use_the_held_version_while_another_switches_the_serv
     """The race the two-flag handshake closes: process 1 (between batches, so it blocked nobody) loaded version 0,
     which the server holds, while process 0 already switches the server to version 1; process 1 must not send
     requests for version 0, and takes version 1 once the switch is done."""
-    store, server = dist.HashStore(), FakeServer()
-    a, b = (SharedServerVersions(store, rank, 2) for rank in range(2))
-    for coordinator in (a, b):
-        coordinator.published(0)
-        coordinator.release(None)
+    server, (a, b) = processes_between_batches(0)
     assert a.acquire(0, server.loader(0))
     a.release(None)
     for coordinator in (a, b):

@@ -92,10 +92,11 @@ class VLLMColocateBackend(GenerationBackend):
                     "weight load per version.",
                     reason,
                 )
-                if as_parameter_gather(gather).sharded:
+                gather = as_parameter_gather(gather)
+                if gather.sharded:
                     # FSDP2 / ZeRO-3: an unsharded copy rebuilt from the config, each tensor gathered in turn (a
                     # collective: this runs in the main thread of every process together, in _start_engine)
-                    self._merge_copy = unsharded_copy(module, as_parameter_gather(gather)).to(device).eval()
+                    self._merge_copy = unsharded_copy(module, gather).to(device).eval()
                 else:
                     self._merge_copy = copy.deepcopy(module).to(device).eval()
                     strip_instance_forwards(self._merge_copy)
