@@ -128,9 +128,13 @@ class GenerationBackend(ABC):
 
     # ---- generation thread ---------------------------------------------------------------------------------------
     @torch.no_grad()
-    def refresh(self, exact: int | None = None) -> bool:
+    def refresh(self, exact: int | None = None, should_stop: Callable[[], bool] | None = None) -> bool:
         """Load the newest published weights if they are newer than the loaded ones, or (``exact``) exactly version
-        ``exact``, which must have been published and kept (:attr:`keep_versions`). Returns whether it loaded."""
+        ``exact``, which must have been published and kept (:attr:`keep_versions`). Returns whether it loaded.
+
+        ``should_stop``: a backend that may wait here for something outside this process (a server shared with other
+        training processes) raises :class:`GenerationStopped` when it turns true; loading itself is not
+        interrupted."""
         with self._lock:
             target = self._staging_version if exact is None else exact
             if target == self.version or (exact is None and target < self.version) or target < 0:

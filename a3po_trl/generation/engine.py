@@ -222,7 +222,7 @@ class GenerationEngine:
             wait_start = time.perf_counter()
             waited, published = self._wait_for_version(needed, index)
             start = time.perf_counter()
-            self.backend.refresh(exact=needed if self.exact_versions and published else None)
+            self.backend.refresh(needed if self.exact_versions and published else None, self._should_stop)
             loaded = time.perf_counter() - start
             version = self.backend.version
             # staleness of a generation span: versions published since the one generating (how far behind it is)

@@ -346,7 +346,7 @@ def generate_with_tools(
     def generate(ids_list, turn):
         if turn > 0 and agent.refresh_between_turns:
             start = time.perf_counter()
-            backend.refresh()
+            backend.refresh(should_stop=should_stop)
             end = time.perf_counter()
             timings["weight_load"] += end - start
             record_in_batch_span("weight load between turns", start, end, turn=turn, loaded_version=backend.version)

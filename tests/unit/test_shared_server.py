@@ -10,6 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from a3po_trl.generation.vllm.shared_server import SharedServerError, SharedServerVersions
+from a3po_trl.types import GenerationStopped
 
 
 class FakeServer:
@@ -131,13 +132,13 @@ def test_a_process_past_a_version_is_not_switched_back_to_it():
     assert server.loads == [0, 1]
 
 
-def wait_in_thread(coordinator, version, load):
+def wait_in_thread(coordinator, version, load, should_stop=None):
     outcome = {}
 
     def run():
         start = time.monotonic()
         try:
-            coordinator.acquire(version, load)
+            coordinator.acquire(version, load, should_stop=should_stop)
         except BaseException as error:  # noqa: BLE001
             outcome["error"] = error
         outcome["seconds"] = time.monotonic() - start
@@ -183,6 +184,20 @@ def test_a_process_that_closed_or_died_fails_the_waiting_one_within_seconds():
     thread.join(10)
     assert "Training process 1 has not answered" in str(outcome["error"])
     assert 1.0 <= outcome["seconds"] < 5
+
+
+def test_a_process_whose_trainer_stops_ends_its_wait_for_the_others_at_once():
+    """A stopping trainer's generation thread must not wait for the other processes (they may be waiting for it)."""
+    waiting, holding, server = blocked_pair()
+    stop = threading.Event()
+    thread, outcome = wait_in_thread(waiting, 1, server.loader(1), should_stop=stop.is_set)
+    time.sleep(0.3)
+    assert thread.is_alive()  # process 1 still holds version 0
+    stop.set()
+    thread.join(5)
+    assert not thread.is_alive()
+    assert isinstance(outcome.get("error"), GenerationStopped)
+    assert server.loads == [0]  # nothing was switched
 
 
 def test_a_new_round_loads_the_server_again_and_may_go_back_in_versions():

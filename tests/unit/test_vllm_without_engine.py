@@ -86,6 +86,44 @@ def test_server_samples_every_row_from_its_own_stream_the_colocate_backends(serv
     assert all("seed" not in payload for payload in server_backend._post.payloads)  # unseeded: no stream is shared
 
 
+def test_a_stopping_trainer_ends_a_server_batch_without_waiting_for_its_requests(server_backend):
+    """``should_stop`` ends the batch while its requests are still on the server (they may take up to
+    ``vllm_request_timeout``); the answers that come later are dropped."""
+    import threading
+
+    from a3po_trl.types import GenerationStopped
+
+    answered, release = threading.Event(), threading.Event()
+    endpoint = server_backend._post
+
+    def slow_endpoint(path, timeout, json):
+        release.wait(10)
+        answered.set()
+        return endpoint(path, timeout, json)
+
+    server_backend._post = slow_endpoint
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    with pytest.raises(GenerationStopped):
+        server_backend.generate([A, A, B], stop.is_set, seed=1)
+    assert not answered.is_set()  # stopped while the requests were in flight, not after they answered
+    release.set()
+
+    slow = threading.Event()  # a request that fails fails the batch at once, not after the slowest request
+
+    def one_failing(path, timeout, json):
+        if json["prompt"] == B:
+            raise RuntimeError("server error")
+        slow.wait(10)
+        return endpoint(path, timeout, json)
+
+    server_backend._post = one_failing
+    with pytest.raises(RuntimeError, match="server error"):
+        server_backend.generate([A, B], lambda: False, seed=1)
+    assert not slow.is_set()
+    slow.set()
+
+
 # ---- colocate: merged versions do not drift -------------------------------------------------------------------------
 
 

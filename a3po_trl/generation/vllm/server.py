@@ -22,7 +22,9 @@ rows with the same prompt, seeded so that every row samples from its own stream,
 
 Every call has a timeout and no retries: a server that is down or dies fails the batch with an error naming the URL
 within seconds (``vllm_server_timeout`` at start, ``weight_sync_timeout`` for loading a version,
-``vllm_request_timeout`` for one generation request). Nothing here runs a collective of the training process group.
+``vllm_request_timeout`` for one generation request). A trainer that stops ends a batch in flight, or a wait for the
+other processes sharing the server, within a tenth of a second; the requests already sent finish on the server and
+their answers are dropped. Nothing here runs a collective of the training process group.
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ import os
 import shutil
 import tempfile
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import torch
 from torch import nn
 
+from ...types import GenerationStopped
 from ..backend import GenerationBackend
 from .common import (
     VLLMSamplingSettings,
@@ -56,6 +59,9 @@ logger = logging.getLogger(__name__)
 #: Completion requests in flight at once (threads, and pooled connections): enough for the server to batch a whole
 #: generation batch of one request per row (a later turn, a rollout_func call), beyond its usual ``max_num_seqs``.
 _MAX_CONCURRENT_REQUESTS = 512
+
+#: Seconds between looks at ``should_stop`` while a batch's requests are in flight.
+_STOP_POLL_SECONDS = 0.1
 
 
 def completion_requests(prompt_ids: list[list[int]], seed: int | None) -> list[tuple[list[int], int, int | None]]:
@@ -226,14 +232,15 @@ class VLLMServerBackend(GenerationBackend):
             self._shared.reset()
 
     # ---- generation thread ---------------------------------------------------------------------------------------
-    def refresh(self, exact: int | None = None) -> bool:
+    def refresh(self, exact: int | None = None, should_stop=None) -> bool:
         """:meth:`GenerationBackend.refresh`; on a shared server, then wait until the server holds the loaded version
-        for this process (loading it there if this process is the one to switch it, see :mod:`.shared_server`)."""
+        for this process (loading it there if this process is the one to switch it, see :mod:`.shared_server`), or
+        until ``should_stop()`` turns true (:class:`GenerationStopped`)."""
         loaded = super().refresh(exact)
         if self._shared is None:
             return loaded
         newer = None if exact is not None else (lambda: self.published_version)
-        while not self._shared.acquire(self.version, self._reload_from_file, newer):
+        while not self._shared.acquire(self.version, self._reload_from_file, newer, should_stop):
             if exact is not None:
                 raise RuntimeError(
                     f"The shared vLLM server moved past version {exact}, which this process must generate its batch "
@@ -308,13 +315,21 @@ class VLLMServerBackend(GenerationBackend):
     def generate(self, prompt_ids, should_stop, seed):
         """One completion per row, in row order, row ``i`` sampled from the stream of ``row_seeds(seed, ...)[i]`` as
         in colocate mode: one request per run of adjacent rows with the same prompt (see
-        :func:`completion_requests`), sent together so that the server batches them. ``should_stop`` is not
-        consulted: a request in flight runs to its end (at most ``vllm_request_timeout``)."""
+        :func:`completion_requests`), sent together so that the server batches them. When ``should_stop()`` turns
+        true the batch ends (:class:`GenerationStopped`) within :data:`_STOP_POLL_SECONDS`; requests already sent
+        run to their end on the server (at most ``vllm_request_timeout``) and their answers are dropped."""
         futures = [
             self._pool.submit(self._complete, prompt, n, request_seed)
             for prompt, n, request_seed in completion_requests(prompt_ids, seed)
         ]
         try:
+            pending = set(futures)
+            while pending:
+                done, pending = wait(pending, timeout=_STOP_POLL_SECONDS, return_when=FIRST_EXCEPTION)
+                for future in done:
+                    future.result()  # raises a request's error now, not after the slowest request
+                if pending and should_stop is not None and should_stop():
+                    raise GenerationStopped
             rows = [row for future in futures for row in future.result()]
         except BaseException:
             for future in futures:

@@ -34,6 +34,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from ...types import GenerationStopped
+
 #: ``needed`` of a process that may generate with any version (between batches, when it takes the newest).
 ANY_VERSION = 2**62
 
@@ -103,14 +105,24 @@ class SharedServerVersions:
         self._set_int(f"published/{self.rank}", version)
 
     # ---- generation thread -----------------------------------------------------------------------------------------
-    def acquire(self, version: int, load: Callable[[], None], newer: Callable[[], int] | None = None) -> bool:
+    def acquire(
+        self,
+        version: int,
+        load: Callable[[], None],
+        newer: Callable[[], int] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> bool:
         """Make the server hold ``version`` for this process's next requests, loading it with ``load()`` if this
         process is the one to switch it. Returns False, without holding anything, if the server moved past
         ``version`` or (``newer`` given) this process published a newer version meanwhile: the caller loads its
-        newest and asks again. Raises :class:`SharedServerError` if a process it waits for failed or died."""
+        newest and asks again. Raises :class:`SharedServerError` if a process it waits for failed or died, and
+        :class:`GenerationStopped` when ``should_stop()`` turns true while it waits (this process's trainer is
+        stopping: its generation thread must not wait for the others)."""
         start = time.perf_counter()
         try:
             while True:
+                if should_stop is not None and should_stop():
+                    raise GenerationStopped
                 self._check_failed()
                 self._set_int(f"needed/{self.rank}", version)
                 holder = self._lock_holder()
