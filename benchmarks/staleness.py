@@ -434,6 +434,23 @@ def summarize(options, names, seeds) -> str:
             f"{_spread(column['foreign_cpu_frac'], '.0%')} |"
         )
     first = next((r for done in runs.values() for r in done), None)
+    eval_steps = " / ".join(str(point["step"]) for point in first["curve"]) if first else "-"
+    per_run = [
+        f"| run | started (UTC) | held-out reward at steps {eval_steps} | training reward, last 5 steps | "
+        "KL to initial | clipped tokens | s/step | load at start | other processes' CPU |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in names:
+        for run in sorted(runs.get(name, []), key=lambda r: r["seed"]):
+            stats = run_statistics(run)
+            curve = " / ".join(f"{point['reward']:.3f}" for point in run["curve"])
+            clipped = _spread([stats["clipped_frac_mean"]], ".1%")
+            foreign = _spread([stats["foreign_cpu_frac"]], ".1%")
+            per_run.append(
+                f"| {name}@{run['seed']} | {run.get('started_at', '-')} | {curve} | "
+                f"{stats['train_reward_last5']:.3f} | {stats['kl_to_initial_final']:.3f} | {clipped} | "
+                f"{stats['seconds_per_step']:.2f} | {stats['load_average_start']:.1f} | {foreign} |"
+            )
     settings = ", ".join(f"{k}={v}" for k, v in first["settings"].items()) if first else "-"
     table = "\n".join(
         [
@@ -448,6 +465,10 @@ def summarize(options, names, seeds) -> str:
             "a3po/behavior_drift_per_version_mean (nats per optimizer step on the sampled tokens). s/step: median. "
             "Load: the 1-minute load average when the run started; other processes' CPU: their share of all cores "
             "while the run trained (the run's own threads left out).",
+            "",
+            "Per run (the held-out curve of each seed; started: where the run recorded it):",
+            "",
+            *per_run,
             "",
             f"Missing runs: {', '.join(missing) if missing else 'none'}.",
         ]
@@ -488,6 +509,7 @@ def main() -> None:
                 break
             started += 1
             quiet = wait_for_quiet(options.quiet_wait, options.quiet_threshold)
+            started_at = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
             print(f"[staleness] {name}@{seed} (load average {os.getloadavg()[0]:.2f}) ...", flush=True)
             command = [sys.executable, __file__, *sys.argv[1:], "--run-one", f"{name}@{seed}"]
             env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
@@ -500,7 +522,7 @@ def main() -> None:
                     print(line, end="", flush=True)
             if child.wait() or not results:
                 raise SystemExit(f"{name}@{seed} failed (exit status {child.returncode}); its output is above.")
-            path.write_text(json.dumps({**json.loads(results[-1]), **quiet}) + "\n")
+            path.write_text(json.dumps({**json.loads(results[-1]), **quiet, "started_at": started_at}) + "\n")
             print(f"[staleness] {name}@{seed} done", flush=True)
     print(summarize(options, names, seeds))
 

@@ -4,6 +4,7 @@ resuming (finished runs are skipped, missing ones are named)."""
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -49,6 +50,7 @@ def test_quick_study_records_every_field_summarizes_and_resumes(tokenizer, tmp_p
         assert run["seconds_per_step"] > 0 and run["train_seconds"] > 0
         assert len(run["load_average_start"]) == 3 and len(run["load_average_end"]) == 3
         assert 0 <= run["foreign_cpu_frac"] <= 1 and run["quiet_wait_seconds"] >= 0
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", run["started_at"])
     # reproducible_generation: after the first batches, the behavior run trains on samples exactly 2 steps old
     stale = runs["behavior-s2@1"]["training_log"]
     assert [entry["a3po/staleness_mean"] for entry in stale] == [0, 1, 2, 2]
@@ -70,6 +72,9 @@ def test_quick_study_records_every_field_summarizes_and_resumes(tokenizer, tmp_p
         assert reported[key][0] is not None, key
     table = (out / "summary.md").read_text()
     assert "| behavior-s2 | 1 |" in table and "| loglinear-s0 | 1 |" in table and "Missing runs: none." in table
+    # one row per run: when it started, its held-out curve, its load
+    curve = " / ".join(f"{point['reward']:.3f}" for point in runs["behavior-s2@1"]["curve"])
+    assert f"| behavior-s2@1 | {runs['behavior-s2@1']['started_at']} | {curve} |" in table
     assert (out / "staleness.png").stat().st_size > 0
 
     # a second invocation skips the finished runs; a wider plan names the run it has not made
