@@ -170,4 +170,3 @@ def score_with_reward_model(model, processing_class, prompts, completions, chat_
     inputs = {k: v.to(device) for k, v in inputs.items()}
     with torch.inference_mode():
         return model(**inputs).logits[:, 0].float().cpu().tolist()
-

@@ -164,9 +164,7 @@ def train_and_check(out_dir, tokenizer, lora, with_extras=False):
     policy.refresh()  # the last published version (= global_step), loaded here in the main thread
     model = trainer._unwrapped_model()
     sharded = [
-        name
-        for name, p in model.named_parameters()
-        if isinstance(p, DTensor) and p.to_local().numel() < p.numel()
+        name for name, p in model.named_parameters() if isinstance(p, DTensor) and p.to_local().numel() < p.numel()
     ]
     report = {
         "distributed_type": str(trainer.accelerator.distributed_type),
@@ -224,8 +222,7 @@ def check_saved_adapter(trainer, out_dir, tokenizer, policy, fixed):
     return report | {
         "adapter_files": sorted(os.listdir(adapter_dir)),
         "adapter_equals_generator": all(
-            torch.equal(own[name], policy._own[name].cpu())
-            for name in policy.trainable_names
+            torch.equal(own[name], policy._own[name].cpu()) for name in policy.trainable_names
         ),
         "adapter_tensors": len(policy.trainable_names),
         "adapter_logps_max_abs_diff": (logps - reference).abs().max().item(),
