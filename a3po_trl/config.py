@@ -42,7 +42,9 @@ class AsyncA3POConfig(GRPOConfig):
         prox_logp_method (`str`, *optional*, defaults to `"loglinear"`):
             How the proximal log-probs of decoupled PPO are obtained. `"loglinear"` is A-3PO: a staleness-aware
             interpolation between the behavior and the current log-probs, no forward pass. `"recompute"` runs one
-            no-grad forward pass of the current weights over each batch when it is consumed (standard decoupled PPO).
+            no-grad forward pass of the current weights over each batch when it is consumed (standard decoupled PPO);
+            with one optimizer step per generation batch (`steps_per_generation=1`, `num_iterations=1`) the ratio
+            is 1 at the update, so its clip never engages and only `behavior_weight_cap` bounds the step.
             `"metrics"` recomputes, trains with the recomputed values, and logs the error of the log-linear estimate.
             `"behavior"` is an ablation, the loss of asynchronous trainers without a separate proximal policy (TRL's
             experimental `AsyncGRPOTrainer` computes it from its engine's log-probs): the trust region is anchored at
