@@ -405,6 +405,8 @@ def summarize(options, names, seeds) -> str:
     for path in sorted(runs_dir.glob("*.json")):
         run = json.loads(path.read_text())
         runs.setdefault(run["config"], []).append(run)
+    for done in runs.values():
+        done.sort(key=lambda run: run["seed"])
     missing = [f"{n}@{s}" for n in names for s in seeds if not (runs_dir / f"{n}@{s}.json").exists()]
     header = (
         "| configuration | runs | held-out reward: before -> final (min-max) | exact replies | training reward, "
@@ -412,11 +414,13 @@ def summarize(options, names, seeds) -> str:
         "largest token | drift per step | s/step | load at start | other processes' CPU |"
     )
     rows, summary = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"], {}
+    run_rows: dict[str, list[tuple[dict, dict]]] = {}  # per configuration: (run, its statistics), by seed
     for name in names:
         done = runs.get(name, [])
         if not done:
             continue
         stats = [run_statistics(r) for r in done]
+        run_rows[name] = list(zip(done, stats))
         column = {key: [s[key] for s in stats] for key in stats[0]}
         summary[name] = {"runs": len(done), "seeds": [r["seed"] for r in done], **column}
         weight_lows = [low for low, _ in column["importance_weight_mean_range"] if low is not None]
@@ -440,9 +444,8 @@ def summarize(options, names, seeds) -> str:
         "KL to initial | clipped tokens | s/step | load at start | other processes' CPU |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name in names:
-        for run in sorted(runs.get(name, []), key=lambda r: r["seed"]):
-            stats = run_statistics(run)
+    for name, pairs in run_rows.items():
+        for run, stats in pairs:
             curve = " / ".join(f"{point['reward']:.3f}" for point in run["curve"])
             clipped = _spread([stats["clipped_frac_mean"]], ".1%")
             foreign = _spread([stats["foreign_cpu_frac"]], ".1%")
