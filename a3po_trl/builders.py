@@ -18,12 +18,22 @@ from torch import nn
 from trl.data_utils import is_conversational
 from trl.trainer.utils import add_fused_lm_head
 
+from .devices import explicit_device
 from .distributed import private_store
 from .generation.backend import GenerationBackend
-from .generation.gather import ContextGather, DTensorGather, ParameterGather
 from .generation.hf import HFGenerateBackend, HFGenerationSettings
 from .generation.hf.sampling import processed_sampling, records_logps, samples_with_own_stream, sampling_deviations
-from .generation.vllm.common import VLLMSamplingSettings, active_lora
+from .generation.vllm.common import VLLMSamplingSettings, active_lora, unsupported_lora_reason
+from .generation.vllm.setup import engine_dtype
+from .generation.weights import (
+    ContextGather,
+    DTensorGather,
+    ParameterGather,
+    checkpoint_dtype,
+    generator_dtype,
+    mixed_precision_dtype,
+)
+from .generation.weights.memory_plan import GeneratorSetup, free_device_memory, plan_generator_memory
 from .patches import align_position_ids_with_generation, cast_lm_head_to_fp32, peft_base_model
 from .rollout import RolloutSettings, decode_completions
 from .rollout.multi_turn import AgentSettings
@@ -62,13 +72,63 @@ def weight_gather(trainer) -> ParameterGather | None:
 
 # ---- the generation backend ------------------------------------------------------------------------------------
 def build_backend(trainer) -> GenerationBackend:
-    """The generation backend: Hugging Face ``generate`` on the generator's own copy, or vLLM (``use_vllm``)."""
-    if trainer._use_vllm_backend:
-        return _build_vllm_backend(trainer)
-    return _build_hf_backend(trainer)
+    """The generation backend: Hugging Face ``generate`` on the generator's own copy, or vLLM (``use_vllm``).
+
+    Its memory is planned first (:mod:`a3po_trl.generation.weights.memory_plan`), logged, and on CUDA refused before
+    anything is allocated when it cannot fit; the plan is kept as the backend's ``memory_plan``."""
+    setup = generator_setup(trainer)
+    plan = plan_generator_memory(trainer._unwrapped_model(), setup)
+    logger.info("Process %d: %s", trainer.accelerator.process_index, plan.describe())
+    plan.check(free_device_memory(plan.devices))
+    backend = _build_vllm_backend(trainer) if trainer._use_vllm_backend else _build_hf_backend(trainer, setup.dtype)
+    backend.memory_plan = plan
+    return backend
 
 
-def _build_hf_backend(trainer) -> HFGenerateBackend:
+def generator_setup(trainer) -> GeneratorSetup:
+    """The facts of this run that decide the generator's memory (see :class:`GeneratorSetup`)."""
+    args, accelerator = trainer.args, trainer.accelerator
+    module = trainer._unwrapped_model()
+    training_device = explicit_device(accelerator.device)
+    generation_device = explicit_device(args.generation_device or training_device)
+    mixed_precision = accelerator.mixed_precision
+    if not trainer._use_vllm_backend:
+        kind = "generate"
+        checkpoint = checkpoint_dtype(peft_base_model(module).config)
+        dtype = generator_dtype(
+            backend="generate", device=generation_device, mixed_precision=mixed_precision, checkpoint=checkpoint
+        )
+    elif args.vllm_mode == "colocate":
+        kind, dtype = "vllm-colocate", engine_dtype(module, generation_device, mixed_precision)
+    else:  # the server's own dtype is known once it answers; staging is on the host either way
+        kind, dtype = "vllm-server", mixed_precision_dtype(mixed_precision)
+    lora = active_lora(module)
+    processes = accelerator.num_processes
+    zero_stage = accelerator.state.deepspeed_plugin.zero_stage if trainer.is_deepspeed_enabled else 0
+    optim = str(getattr(args.optim, "value", args.optim)).lower()
+    return GeneratorSetup(
+        backend=kind,
+        generation_device=generation_device,
+        training_device=training_device,
+        dtype=dtype,
+        sharded=shards_parameters(trainer),
+        staging_sets=args.max_staleness + 2 if args.reproducible_generation else 1,
+        vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        vllm_merges_adapters=bool(kind == "vllm-colocate" and lora and unsupported_lora_reason(lora[1])),
+        device_total_bytes=(
+            torch.cuda.get_device_properties(generation_device).total_memory
+            if generation_device.type == "cuda"
+            else None
+        ),
+        gradient_shards=processes if uses_fsdp2(trainer) or zero_stage >= 2 else 1,
+        optimizer_shards=processes if uses_fsdp2(trainer) or zero_stage >= 1 else 1,
+        optimizer_states_per_parameter=2 if "adam" in optim else 1 if ("sgd" in optim or "lion" in optim) else 0,
+        # DeepSpeed allocates its partitioned states when it wraps the model; a later train() has them already
+        training_state_allocated=bool(trainer.is_deepspeed_enabled or getattr(trainer.optimizer, "state", None)),
+    )
+
+
+def _build_hf_backend(trainer, dtype: torch.dtype | None) -> HFGenerateBackend:
     temperature = trainer.temperature
     cast_fp32 = trainer.args.cast_lm_head_to_fp32
 
@@ -88,6 +148,7 @@ def _build_hf_backend(trainer) -> HFGenerateBackend:
         device=device,
         patch_fn=patch,
         gather=weight_gather(trainer),
+        dtype=dtype,
     )
 
 
@@ -162,7 +223,7 @@ def hf_generation_settings(trainer) -> HFGenerationSettings:
         eos_token_ids=list(trainer.eos_token_ids),
         pad_token_id=trainer._tokenizer.pad_token_id,
         chunk_size=trainer.args.generation_batch_chunk_size,
-        autocast_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(trainer.accelerator.mixed_precision),
+        autocast_dtype=mixed_precision_dtype(trainer.accelerator.mixed_precision),
         behavior_logps_source=behavior_logps_source,
         temperature=trainer.temperature,
         own_random_stream=own_stream,
@@ -206,6 +267,7 @@ def _build_vllm_backend(trainer) -> GenerationBackend:
         process_index=trainer.accelerator.process_index,
         num_processes=processes,
         shared=shared,
+        mixed_precision=trainer.accelerator.mixed_precision,
     )
 
 

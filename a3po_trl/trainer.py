@@ -47,7 +47,8 @@ from .distributed import destroy_process_group_at_exit
 from .functional import group_advantages
 from .generation import GenerationBackend, GenerationEngine
 from .generation.schedule import TrainingLoopShape, oldest_allowed_version, plan_generation_batches, run_micro_steps
-from .generation.version_checkpoint import load_kept_versions, save_kept_versions
+from .generation.weights.names import without_checkpoint_wrapper
+from .generation.weights.version_checkpoint import load_kept_versions, save_kept_versions
 from .losses import DecoupledLossMixin
 from .metrics import batch_metrics, tool_metrics
 from .patches import align_position_ids_with_generation
@@ -270,7 +271,10 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             wanted = [
                 (name, p) for name, p in model.named_parameters() if p.requires_grad or adapters & set(name.split("."))
             ]
-            state_dict = {name: t.to("cpu", copy=True) for name, t in weight_gather(self).full_tensors(wanted)}
+            state_dict = {
+                without_checkpoint_wrapper(name): t.to("cpu", copy=True)  # as PEFT names them without the wrapper
+                for name, t in weight_gather(self).full_tensors(wanted)
+            }
         else:
             state_dict = self.accelerator.get_state_dict(self.model)  # full, on the main process, in CPU memory
         self._save(output_dir, state_dict=state_dict)

@@ -46,8 +46,8 @@ def owned_bytes(policy: HFGenerateBackend, trainer_module: torch.nn.Module) -> d
     trainer = _storages(list(trainer_module.parameters()) + list(trainer_module.buffers()))
     generator = _storages(list(policy.module.parameters()) + list(policy.module.buffers()))
     own = {ptr: size for ptr, size in generator.items() if ptr not in trainer}
-    staging = _storages(policy._template.values())  # the staging buffers the first publication fills
-    return {"generator_weights_bytes": sum(own.values()), "staging_bytes": sum(staging.values())}
+    staging = policy.weights.layout.bytes_per_version  # the staging buffers the first publication allocates
+    return {"generator_weights_bytes": sum(own.values()), "staging_bytes": staging}
 
 
 def load_model(name: str):

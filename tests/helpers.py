@@ -82,10 +82,11 @@ def first_batch_with_logps(trainer):
 
 def generator_matches(backend, module) -> bool:
     """Whether a ``generate`` backend's trainable weights equal ``module``'s (gathered under ZeRO-3 and FSDP2, on
-    every process together)."""
+    every process together), cast to the generator's dtype (bf16 under bf16 mixed precision)."""
     params = dict(module.named_parameters())
-    whole = backend._gather.full_tensors((name, params[name]) for name in backend.trainable_names)
-    return all([torch.equal(backend._own[name].cpu(), tensor.cpu()) for name, tensor in whole])
+    whole = backend.weights.gather.full_tensors((name, params[name]) for name in backend.trainable_names)
+    own = backend._own
+    return all([torch.equal(own[name].cpu(), tensor.to(own[name].dtype).cpu()) for name, tensor in whole])
 
 
 class StopAt(TrainerCallback):
@@ -130,14 +131,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FSDP2_EXAMPLE = os.path.join(ROOT, "examples", "accelerate_configs", "fsdp2.yaml")
 
 
-def launch_fsdp2(tmp_path, script, *args, fsdp_config=None, timeout=600):
+def launch_fsdp2(tmp_path, script, *args, fsdp_config=None, timeout=600, mixed_precision="no"):
     """``script OUT *args`` under ``accelerate launch`` with examples/accelerate_configs/fsdp2.yaml (two processes;
-    mixed precision off, as bf16 needs a GPU; a free port; ``fsdp_config`` entries overridden), the repository on
+    ``mixed_precision``, off by default; a free port; ``fsdp_config`` entries overridden), the repository on
     the path. Returns the launcher's result and ``OUT`` (``tmp_path/out``, where the script writes its reports)."""
     import yaml
 
     config = yaml.safe_load(open(FSDP2_EXAMPLE))
-    config.update(mixed_precision="no", main_process_port=free_port())
+    config.update(mixed_precision=mixed_precision, main_process_port=free_port())
     config["fsdp_config"].update(fsdp_config or {})
     (tmp_path / "fsdp2.yaml").write_text(yaml.safe_dump(config))
     out = tmp_path / "out"

@@ -3,8 +3,9 @@
 - :mod:`.engine`: :class:`GenerationEngine`, the admission-controlled producer thread; :mod:`.queue`:
   :class:`VersionedSampleQueue`; both backend-agnostic.
 - :mod:`.schedule`: which weight version trains on each micro-step, and so which versions may generate each batch.
-- :mod:`.backend`: :class:`GenerationBackend`, the one interface a backend implements, with the versioned weights;
-  :mod:`.version_checkpoint`: the versions kept for a reproducible resume, in a checkpoint.
+- :mod:`.backend`: :class:`GenerationBackend`, the one interface a backend implements;
+- :mod:`.weights`: the weight path from the trainer to the generator (gathering sharded weights, the generator's
+  dtype, the versioned staging store, the generator's own copies, the memory plan, kept versions in a checkpoint).
 - :mod:`.hf`: :class:`HFGenerateBackend`, Hugging Face ``generate`` on the generator's own copy (default).
 - :mod:`.vllm`: vLLM in-process (colocate), or a ``trl vllm-serve`` server (``use_vllm=True``); imported on demand, so
   vLLM is needed only when used.

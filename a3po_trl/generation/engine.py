@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..devices import explicit_device
 from ..timeline import GENERATION_LANE, TRAINING_LANE, TimelineRecorder, batch_span, record_in_batch_span
 from ..types import GenerationStopped, ScoredBatch
 from .backend import GenerationBackend
@@ -245,7 +246,7 @@ class GenerationEngine:
             if self.num_threads is not None:
                 torch.get_num_threads()  # a new thread re-reads the process-wide value at its first parallel op
                 torch.set_num_threads(self.num_threads)
-            device = self.backend.device
+            device = explicit_device(self.backend.device)  # torch.cuda.set_device refuses "cuda" without an index
             stream = None
             if device.type == "cuda":
                 torch.cuda.set_device(device)

@@ -18,8 +18,8 @@ LOGPS_TOLERANCE = 1e-6
 same completion at the same version: both run in fp32 on the same whole weights (measured here: 0.0)."""
 
 
-def _launch(tmp_path, *flags, fsdp_config=None, succeed=True):
-    result, out = launch_fsdp2(tmp_path, SCRIPT, *flags, fsdp_config=fsdp_config)
+def _launch(tmp_path, *flags, fsdp_config=None, succeed=True, mixed_precision="no"):
+    result, out = launch_fsdp2(tmp_path, SCRIPT, *flags, fsdp_config=fsdp_config, mixed_precision=mixed_precision)
     if not succeed:
         assert result.returncode != 0
         return result.stderr
@@ -52,6 +52,41 @@ def test_generator_follows_the_sharded_trainer_version_by_version(tmp_path, lora
         assert "adapter_model.safetensors" in main["adapter_files"] and "adapter_config.json" in main["adapter_files"]
         assert main["adapter_tensors"] == 8 and main["adapter_equals_generator"]
         assert main["adapter_logps_max_abs_diff"] <= 1e-5  # PeftModel.from_pretrained's own (unfused) forward
+
+
+@pytest.mark.parametrize(
+    "lora, activation_checkpointing", [(False, False), (True, True)], ids=["full", "lora-activation-checkpointing"]
+)
+def test_under_bf16_mixed_precision_the_generator_holds_bf16_not_the_fp32_master_weights(
+    tmp_path, lora, activation_checkpointing
+):
+    """`mixed_precision: bf16` (the shipped fsdp2.yaml): accelerate upcasts the trainable parameters to float32 master
+    weights before sharding them, and the generator's copy and staging buffers must not follow them to float32 (a 7B
+    model: 30.5 GB a copy instead of 15.2). With fsdp_activation_checkpointing the parameter names carry
+    ``_checkpoint_wrapped_module.``, which the generator's copy (built without the wrapper) and the saved adapter must
+    not."""
+    flags = [
+        "--bf16",
+        *(["--lora"] if lora else []),
+        *(["--activation-checkpointing"] if activation_checkpointing else []),
+    ]
+    fsdp_config = {"fsdp_activation_checkpointing": True} if activation_checkpointing else None
+    reports = _launch(tmp_path, *flags, fsdp_config=fsdp_config, mixed_precision="bf16")
+    for r in reports:
+        assert r["mixed_precision"] == "bf16" and r["is_fsdp2"] and r["global_step"] == 4
+        assert "torch.float32" in r["trainable_dtypes"]  # the master weights really are fp32
+        assert r["generator_copy_dtypes"] == r["staging_dtypes"] == ["torch.bfloat16"]
+        assert r["generator_frozen_dtypes"] in ([], ["torch.bfloat16"])  # the whole copy: bf16 too
+        assert r["generator_matches_trainer"]  # equal to the gathered training weights, cast to bf16
+        # FSDP2 computes with bf16 parameters too: the generator's log-probs are the trainer's
+        assert max(r["logps_max_abs_diff"].values()) <= LOGPS_TOLERANCE, r["logps_max_abs_diff"]
+        plan = {what: size for what, size, _ in r["memory_plan"]}
+        assert plan["staging, one version"] == 2 * r["copied_parameters"]  # bf16: 2 bytes a parameter, as built
+        if activation_checkpointing:
+            assert r["checkpoint_wrapped_parameters"] > 0  # the names really carry the wrapper
+    if lora:
+        main = reports[0]
+        assert main["adapter_equals_generator"] and main["adapter_tensors"] == 8
 
 
 @pytest.mark.slow

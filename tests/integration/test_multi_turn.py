@@ -13,6 +13,7 @@ from tiny import CALL, DONE, encode, make_model, make_tool_tokenizer, scripted_g
 
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
 from a3po_trl.generation.backend import GenerationBackend
+from a3po_trl.generation.weights import ParameterGather, StagingLayout, VersionedWeights
 from a3po_trl.rollout.multi_turn import NO_VERSION, AgentSettings, ToolCaller, generate_with_tools
 from a3po_trl.types import GeneratedCompletions, GenerationStopped
 
@@ -41,7 +42,7 @@ class ScriptedBackend(GenerationBackend):
     token, so that a token's log-prob says which version generated it."""
 
     def __init__(self, tokenizer, script, kept_mass=None):
-        super().__init__([], {}, None, torch.device("cpu"))
+        super().__init__(VersionedWeights(StagingLayout({}, {}, torch.device("cpu")), ParameterGather()), "cpu")
         self.tokenizer, self.script = tokenizer, script
         self.kept_mass = kept_mass  # a truncating sampler: sampling log-probs are logps - log(kept_mass)
         self.calls = []

@@ -17,6 +17,7 @@ model given as a module, ``prox_logp_method="metrics"`` (a recompute forward per
 ``max_staleness=0`` so that the generator loads every version.
 """
 
+import functools
 import json
 import os
 import sys
@@ -36,6 +37,7 @@ from transformers import TrainerCallback  # noqa: E402
 from a3po_trl import AsyncA3POTrainer  # noqa: E402
 from a3po_trl.builders import weight_gather  # noqa: E402
 from a3po_trl.generation.hf.backend import per_token_logps_fused  # noqa: E402
+from a3po_trl.generation.weights.names import without_checkpoint_wrapper  # noqa: E402
 
 MAX_STEPS = 4
 LOGGED = ("loss", "reward", "async/generator_version", "a3po/staleness_max")
@@ -186,6 +188,18 @@ def train_and_check(out_dir, tokenizer, lora, with_extras=False):
         ),
         "batches_consumed": trainer.last_generation_engine.consumed,
         "reward_model_threads": sorted(set(reward_model_threads)),
+        "mixed_precision": trainer.accelerator.mixed_precision,
+        "trainable_dtypes": sorted({str(p.dtype) for p in model.parameters() if p.requires_grad}),
+        "generator_copy_dtypes": sorted({str(p.dtype) for p in policy._own.values()}),
+        "generator_frozen_dtypes": sorted(
+            {str(p.dtype) for p in policy.module.parameters() if all(p is not q for q in policy._own.values())}
+        ),
+        "staging_dtypes": sorted({str(d) for d in policy.weights.layout.dtypes.values()}),
+        "staging_device": str(policy.weights.layout.device),
+        "memory_plan": [[item.what, item.bytes, str(item.device)] for item in policy.memory_plan.items],
+        "checkpoint_wrapped_parameters": sum(
+            "_checkpoint_wrapped_module" in name for name, _ in model.named_parameters()
+        ),
         "ref_model": type(trainer.ref_model).__name__ if trainer.ref_model is not None else None,
         "logged_keys": sorted({key for h in trainer.state.log_history for key in h}),
     }
@@ -222,7 +236,8 @@ def check_saved_adapter(trainer, out_dir, tokenizer, policy, fixed):
     return report | {
         "adapter_files": sorted(os.listdir(adapter_dir)),
         "adapter_equals_generator": all(
-            torch.equal(own[name], policy._own[name].cpu()) for name in policy.trainable_names
+            torch.equal(own[without_checkpoint_wrapper(name)], policy._own[name].cpu())
+            for name in policy.trainable_names
         ),
         "adapter_tensors": len(policy.trainable_names),
         "adapter_logps_max_abs_diff": (logps - reference).abs().max().item(),
@@ -268,6 +283,11 @@ def resume_bit_for_bit(out_dir, tokenizer, lora):
 def main():
     out_dir = sys.argv[1]
     lora, resume, with_extras = "--lora" in sys.argv, "--resume" in sys.argv, "--extras" in sys.argv
+    global make
+    if "--bf16" in sys.argv:  # the launch config's mixed_precision: bf16 as well (launch_fsdp2(mixed_precision=...))
+        make = functools.partial(make, bf16=True)
+    if "--activation-checkpointing" in sys.argv:  # with fsdp_activation_checkpointing: true in the launch config
+        make = functools.partial(make, gradient_checkpointing=False)  # transformers refuses both at once
     tokenizer = make_tokenizer()
     if resume:
         report = resume_bit_for_bit(out_dir, tokenizer, lora)

@@ -10,6 +10,7 @@ from torch import nn
 
 from a3po_trl.generation import GenerationBackend, GenerationEngine, GenerationStopped, ScoredBatch
 from a3po_trl.generation.queue import VersionedSampleQueue
+from a3po_trl.generation.weights import ParameterGather, StagingLayout, VersionedWeights
 
 
 def batch(index=0):
@@ -64,7 +65,8 @@ class RecordingBackend(GenerationBackend):
     """Versions of one weight ``w``; ``generate`` is not used (the rollout stand-in reads :attr:`loaded`)."""
 
     def __init__(self):
-        super().__init__(["w"], {"w": torch.zeros(1)}, None, torch.device("cpu"))
+        layout = StagingLayout({"w": torch.Size([1])}, {"w": torch.float32}, torch.device("cpu"))
+        super().__init__(VersionedWeights(layout, ParameterGather()), torch.device("cpu"))
         self.loaded = []
 
     def load_weights(self, weights, version):

@@ -28,6 +28,7 @@ class FakeServer:
             with self.lock:
                 self.version = version
                 self.loads.append(version)
+            return True
 
         return load
 
@@ -213,6 +214,34 @@ def test_a_new_round_loads_the_server_again_and_may_go_back_in_versions():
     assert server.loads == [5, 2]
 
 
+def test_a_failure_fails_its_round_only_not_the_next_train_call():
+    """One failed ``train()`` must not fail every later ``train()`` of the same trainers: a new round (every process
+    resets together when training starts) starts without the failure."""
+    waiting, holding, server = blocked_pair()
+    holding.fail("RuntimeError: engine failure")
+    with pytest.raises(SharedServerError, match="engine failure"):
+        waiting.acquire(1, server.loader(1))
+    for coordinator in (waiting, holding):
+        coordinator.reset()
+        coordinator.published(3)
+        coordinator.release(None)
+    assert waiting.acquire(3, server.loader(3)) and holding.acquire(3, server.loader(3))
+    assert server.loads == [0, 3]
+
+
+def test_a_switch_whose_version_is_no_longer_held_loads_nothing():
+    """The process that would switch the server no longer holds the version (its trainer published a newer one over
+    it): nothing is loaded, the server keeps what it holds, and the caller is told to take its newest."""
+    server, (a, b) = processes_between_batches(0)
+    assert a.acquire(0, server.loader(0))
+    a.release(None)
+    for coordinator in (a, b):
+        coordinator.published(1)
+    assert not a.acquire(1, lambda: False, newer=lambda: 2)
+    assert server.loads == [0]
+    assert b.acquire(1, server.loader(1)) and server.loads == [0, 1]
+
+
 def test_a_process_does_not_use_the_held_version_while_another_switches_the_server_away_from_it():
     """The race the two-flag handshake closes: process 1 (between batches, so it blocked nobody) loaded version 0,
     which the server holds, while process 0 already switches the server to version 1; process 1 must not send
@@ -227,7 +256,7 @@ def test_a_process_does_not_use_the_held_version_while_another_switches_the_serv
     def slow_load():
         loading.set()
         finish.wait(10)
-        server.loader(1)()
+        return server.loader(1)()
 
     switcher, _ = wait_in_thread(a, 1, slow_load)
     assert loading.wait(5)  # process 0 holds the lock and loads version 1

@@ -6,6 +6,7 @@ suite; ``tests/integration/test_vllm.py`` checks the same paths against the real
 """
 
 import copy
+import os
 import sys
 import types
 from types import SimpleNamespace
@@ -122,6 +123,86 @@ def test_a_stopping_trainer_ends_a_server_batch_without_waiting_for_its_requests
         server_backend.generate([A, B], lambda: False, seed=1)
     assert not slow.is_set()
     slow.set()
+
+
+# ---- a full-weight server shared by two processes: one file per version --------------------------------------------
+
+
+class FakeReloadingServer:
+    """The endpoints a shared full-weight server is loaded through: ``/collective_rpc`` reloads the weights file a
+    process wrote (recorded with the version the file holds), ``/reset_prefix_cache`` does nothing."""
+
+    def __init__(self):
+        self.reloads = []
+
+    def endpoint(self, backend):
+        def post(path, timeout, json=None):
+            if path == "/collective_rpc" and json["method"] == "reload_weights":
+                from safetensors.torch import load_file
+
+                weights = load_file(os.path.join(json["kwargs"]["weights_path"], "model.safetensors"))
+                self.reloads.append((backend.rank, float(weights["lm_head.weight"].flatten()[0])))
+            return {}
+
+        return post
+
+
+def test_a_shared_server_is_loaded_from_one_file_per_version_written_by_the_process_that_switches(
+    monkeypatch, tokenizer, tmp_path
+):
+    """With full weights, every process used to write every version it loaded to a file (a 7B fp32 model from 7
+    processes: 213 GB per version) though only the switching process's file is read. Two processes (threads here),
+    three versions: each version is written once, in the staging dtype, and loaded once."""
+    import threading
+
+    import torch.distributed as dist
+
+    from a3po_trl.generation.vllm.server import VLLMServerBackend
+    from a3po_trl.generation.vllm.shared_server import SharedServerVersions
+
+    monkeypatch.setattr(VLLMServerBackend, "_wait_for_server", lambda self, timeout: None)
+    monkeypatch.setattr(VLLMServerBackend, "_check_server_config", lambda self: torch.bfloat16)  # a bf16 server
+    monkeypatch.setattr(VLLMServerBackend, "_get", lambda self, path, timeout, **kwargs: {"data": [{"id": "tiny"}]})
+    written = []
+    write = VLLMServerBackend._write_weights_file
+    monkeypatch.setattr(
+        VLLMServerBackend,
+        "_write_weights_file",
+        lambda self, weights: written.append({t.dtype for t in weights.values()}) or write(self, weights),
+    )
+    args = SimpleNamespace(
+        vllm_server_base_url="http://127.0.0.1:1",
+        weight_sync_timeout=5.0,
+        vllm_request_timeout=5.0,
+        vllm_group_port=51216,
+        vllm_server_timeout=1.0,
+    )
+    store, server = dist.HashStore(), FakeReloadingServer()
+    model = make_model(tokenizer)
+    backends = []
+    for rank in range(2):
+        shared = SharedServerVersions(store, rank, 2, poll_interval=0.001)
+        backend = VLLMServerBackend(
+            model, args, VLLMSamplingSettings(max_tokens=4), torch.device("cpu"), shared=shared
+        )
+        backend.rank = rank
+        backend._post = server.endpoint(backend)
+        backends.append(backend)
+    for version in range(3):
+        with torch.no_grad():
+            model.lm_head.weight.fill_(version)
+        for backend in backends:
+            backend.publish(model, version)
+        threads = [threading.Thread(target=lambda b=b: (b.refresh(), b.finish_batch(None))) for b in backends]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert [b.version for b in backends] == [version, version]
+    assert [version for _, version in server.reloads] == [0.0, 1.0, 2.0]  # each version loaded once
+    assert written == [{torch.bfloat16}] * 3  # ... from one file, written by one process, in the server's dtype
+    for backend in backends:
+        backend.close()
 
 
 # ---- colocate: merged versions do not drift -------------------------------------------------------------------------

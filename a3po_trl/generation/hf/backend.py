@@ -1,15 +1,16 @@
 """The Hugging Face ``generate`` backend: generation on the generator's own copy of the policy, in-process.
 
 The copy is a ``deepcopy`` of the (unwrapped) training module in which every frozen parameter is the *same* tensor as
-the trainer's (shared when on the same device) and every trainable parameter is its own clone, refreshed from the
-staging buffer between batches. Any instance-level ``forward`` patch (TRL's fused LM head, accelerate's autocast
-wrapper) is removed from the copy, so it never closes over the training module; ``patch_fn`` re-applies a patch to
-the copy itself.
+the trainer's (shared when on the same device) and every trainable parameter is its own tensor in the generator's
+dtype (:func:`~a3po_trl.generation.weights.generator_dtype`: the mixed-precision dtype when the trainer computes in
+one), refreshed between batches from the staging buffer (on the generation device, in the same dtype). Any
+instance-level ``forward`` patch (TRL's fused LM head, accelerate's autocast wrapper) is removed from the copy, so it
+never closes over the training module; ``patch_fn`` re-applies a patch to the copy itself.
 
 When the training module's parameters are sharded (DeepSpeed ZeRO-3, FSDP2), ``gather`` (a
-:class:`~a3po_trl.generation.gather.ParameterGather`) makes them whole: the copy is built fresh from the model's config
-and loaded with the gathered weights, one parameter at a time (nothing can be shared), and every publication gathers
-the trainable weights; both happen in the main thread, on every process together.
+:class:`~a3po_trl.generation.weights.ParameterGather`) makes them whole: the copy is built from the model's config on
+the meta device and filled with the gathered weights, one parameter at a time (nothing can be shared), and every
+publication gathers the trainable weights; both happen in the main thread, on every process together.
 
 Sampling draws from the backend's own ``torch.Generator`` (:class:`~.sampling.OwnStreamSampling`) for
 plain sampling, and the behavior log-probs are recorded while generating
@@ -21,7 +22,6 @@ repetition penalties, ...), the log-probs of the distribution each token was dra
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -31,12 +31,14 @@ from torch import nn
 from transformers import GenerationConfig, StoppingCriteriaList
 
 from ...config import BEHAVIOR_LOGPS_SOURCES
+from ...devices import explicit_device, module_device, same_device, wait_for_copies
 from ...padding import pad_rows
-from ...patches import peft_base_model, strip_instance_forwards
+from ...patches import peft_base_model
 from ...types import GeneratedCompletions, GenerationStopped
-from ..backend import GenerationBackend, module_device, same_device
-from ..gather import as_parameter_gather
-from ..unsharded import unsharded_copy
+from ..backend import GenerationBackend
+from ..weights import StagingLayout, VersionedWeights, as_parameter_gather
+from ..weights.copies import generator_copy, unsharded_copy
+from ..weights.names import without_checkpoint_wrapper
 from .sampling import GenerationLogpsRecorder, OwnStreamSampling
 
 logger = logging.getLogger(__name__)
@@ -93,6 +95,7 @@ class HFGenerateBackend(GenerationBackend):
         device: torch.device | str | None = None,
         patch_fn=None,
         gather=None,
+        dtype: torch.dtype | None = None,
     ):
         if settings.behavior_logps_source not in BEHAVIOR_LOGPS_SOURCES:
             raise ValueError(
@@ -107,44 +110,36 @@ class HFGenerateBackend(GenerationBackend):
                 "behavior_logps_source='generation'."
             )
         self.settings = settings
-        device = torch.device(device) if device is not None else module_device(module)
+        device = explicit_device(device if device is not None else module_device(module))
         gather = as_parameter_gather(gather)
-        if not gather.sharded:
-            shares = same_device(device, module_device(module))
-            memo = {id(p): p for p in module.parameters() if not p.requires_grad} if shares else {}
-            self.module = copy.deepcopy(module, memo)
-            strip_instance_forwards(self.module)
+        shares = not gather.sharded and same_device(device, module_device(module))
+        if gather.sharded:
+            self.module = unsharded_copy(module, gather, device, dtype)
         else:
-            shares = False
-            self.module = unsharded_copy(module, gather)
-        if not shares:
-            self.module.to(device)
+            self.module = generator_copy(module, device, dtype, share_frozen=shares)
         self.module.eval()
-
-        source = dict(module.named_parameters())
-        own = dict(self.module.named_parameters())
-        trainable_names = [name for name, p in source.items() if p.requires_grad]
-        for name in trainable_names:
-            own[name].requires_grad_(False)
-        self._own = {name: own[name] for name in trainable_names}
-        super().__init__(
-            trainable_names,
-            {name: torch.empty_like(p) for name, p in self._own.items()},
-            gather,
-            device,
-        )
-        self.shared_parameter_count = sum(p.numel() for name, p in own.items() if name not in self._own and shares)
-        self.copied_parameter_count = sum(p.numel() for p in self._own.values())
         if patch_fn is not None:
-            patch_fn(self.module)
+            patch_fn(self.module)  # may change dtypes (an fp32 LM head): the staging layout is read after it
+
+        own = {without_checkpoint_wrapper(name): p for name, p in self.module.named_parameters()}
+        trainable_names = [name for name, p in module.named_parameters() if p.requires_grad]
+        self._own = {name: own[without_checkpoint_wrapper(name)] for name in trainable_names}
+        layout = StagingLayout(
+            shapes={name: p.shape for name, p in self._own.items()},
+            dtypes={name: p.dtype for name, p in self._own.items()},
+            device=device,
+        )
+        super().__init__(VersionedWeights(layout, gather), device)
+        own_ids = {id(p) for p in self._own.values()}
+        self.shared_parameter_count = sum(p.numel() for p in own.values() if id(p) not in own_ids and shares)
+        self.copied_parameter_count = sum(p.numel() for p in self._own.values())
         self._sampling_generator = torch.Generator(device=self.device) if settings.own_random_stream else None
         self._fallback_warned = False
 
     def load_weights(self, weights, version):
         for name, param in self._own.items():
-            param.copy_(weights[name])
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            param.copy_(weights[name], non_blocking=True)
+        wait_for_copies([self.device, *(t.device for t in weights.values())])
 
     def generate(self, prompt_ids, should_stop, seed):
         settings = self.settings

@@ -19,7 +19,6 @@ one decoding step.
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import shutil
@@ -29,21 +28,21 @@ import uuid
 import torch
 from torch import nn
 
-from ...patches import strip_instance_forwards
+from ...devices import explicit_device, wait_for_copies
 from ...types import GenerationStopped
 from ..backend import GenerationBackend
-from ..gather import as_parameter_gather
-from ..unsharded import unsharded_copy
+from ..weights import VersionedWeights, as_parameter_gather, vllm_weight_name
+from ..weights.copies import generator_copy, unsharded_copy
+from ..weights.names import without_checkpoint_wrapper
 from .common import (
     VLLMSamplingSettings,
     active_lora,
-    checkpoint_name,
     completions_from_outputs,
+    host_staging_layout,
     lora_slot_rank,
     merged_checkpoint_tensors,
     row_seeds,
     sampling_params,
-    staging_buffers,
     unsupported_lora_reason,
     write_lora_adapter,
 )
@@ -62,7 +61,9 @@ class VLLMColocateBackend(GenerationBackend):
         sampling: how to sample.
         engine_kwargs: keyword arguments of ``vllm.LLM`` (dtype, max_model_len, max_num_seqs, seed, ...).
         device: the engine's device (CPU, or the process's GPU).
-        gather: ZeRO-3 gather (see :class:`GenerationBackend`).
+        gather: how the main thread reads sharded weights whole (see :mod:`a3po_trl.generation.weights.gather`).
+        dtype: the engine's dtype (``engine_kwargs["dtype"]``): versions are staged in it, in host memory (pinned on
+            a GPU machine), and a private merge copy holds it.
     """
 
     def __init__(
@@ -73,7 +74,9 @@ class VLLMColocateBackend(GenerationBackend):
         engine_kwargs: dict,
         device: torch.device,
         gather=None,
+        dtype: torch.dtype | None = None,
     ):
+        device = explicit_device(device)
         self.sampling = sampling
         self._closed = False
         self._adapter_root = tempfile.mkdtemp(prefix="a3po-vllm-adapters-")
@@ -96,12 +99,11 @@ class VLLMColocateBackend(GenerationBackend):
                 if gather.sharded:
                     # FSDP2 / ZeRO-3: an unsharded copy rebuilt from the config, each tensor gathered in turn (a
                     # collective: this runs in the main thread of every process together, in _start_engine)
-                    self._merge_copy = unsharded_copy(module, gather).to(device).eval()
+                    self._merge_copy = unsharded_copy(module, gather, device, dtype).eval()
                 else:
-                    self._merge_copy = copy.deepcopy(module).to(device).eval()
-                    strip_instance_forwards(self._merge_copy)
-        trainable, staging = staging_buffers(module, device if device.type == "cuda" else torch.device("cpu"))
-        super().__init__(trainable, staging, gather, device)
+                    self._merge_copy = generator_copy(module, device, dtype, share_frozen=False).eval()
+        gather = as_parameter_gather(gather)
+        super().__init__(VersionedWeights(host_staging_layout(module, dtype, device), gather), device)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights move without copies
         from vllm import LLM
 
@@ -118,7 +120,10 @@ class VLLMColocateBackend(GenerationBackend):
         elif self._merge_copy is not None:
             self._load_merged(weights)
         else:
-            self._reload((checkpoint_name(name), tensor) for name, tensor in weights.items())
+            self._reload((vllm_weight_name(name), tensor) for name, tensor in weights.items())
+        # the engine's copies from the staging buffers, queued on this thread's stream, are done before the main
+        # thread may overwrite the buffers (the lock is released when this returns)
+        wait_for_copies([self.device])
 
     def _reload(self, named_tensors) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
@@ -144,9 +149,9 @@ class VLLMColocateBackend(GenerationBackend):
     def _load_merged(self, weights) -> None:
         """The version's trainable weights into the private copy, then its merged weights to the engine, merged out
         of place so that the copy's base stays the trainer's exactly (see :func:`merged_checkpoint_tensors`)."""
-        own = dict(self._merge_copy.named_parameters())
+        own = {without_checkpoint_wrapper(name): p for name, p in self._merge_copy.named_parameters()}
         for name, tensor in weights.items():
-            own[name].copy_(tensor)
+            own[without_checkpoint_wrapper(name)].copy_(tensor)
         self._reload(merged_checkpoint_tensors(self._merge_copy))
 
     def generate(self, prompt_ids, should_stop, seed):

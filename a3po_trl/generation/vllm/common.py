@@ -1,4 +1,4 @@
-"""What both vLLM backends share: sampling parameters, reading vLLM's outputs, weight names and LoRA adapter files.
+"""What both vLLM backends share: sampling parameters, reading vLLM's outputs, host staging and LoRA adapter files.
 
 Nothing here imports vLLM at module level; :func:`sampling_params` imports it when called.
 """
@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from ...types import GeneratedCompletions
-from ..backend import full_shape
+from ..weights import StagingLayout, vllm_weight_name
+from ..weights.names import without_checkpoint_wrapper
 
 #: The ranks of vLLM LoRA slots go by powers of two up to this (``max_lora_rank`` must be one of them).
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -100,22 +101,19 @@ def active_lora(module) -> tuple[str, object] | None:
     return adapter, module.peft_config[adapter]
 
 
-def staging_buffers(module, device: torch.device) -> tuple[list[str], dict[str, torch.Tensor]]:
-    """The names of ``module``'s trainable weights and one empty staging buffer each, whole-shaped (also under
-    ZeRO-3), on ``device``."""
-    params = dict(module.named_parameters())
-    trainable = [name for name, p in params.items() if p.requires_grad]
-    staging = {
-        name: torch.empty(full_shape(params[name]), dtype=params[name].dtype, device=device) for name in trainable
-    }
-    return trainable, staging
+def host_staging_layout(module, dtype: torch.dtype | None, device: torch.device) -> StagingLayout:
+    """The staging layout of a vLLM backend: ``module``'s trainable weights, whole-shaped (also under ZeRO-3 and
+    FSDP2), in the engine's ``dtype``, in host memory (pinned when the engine is on a GPU). The engine holds the
+    device copy of the weights; staging on the GPU as well would cost a second whole model there."""
+    trainable = [name for name, p in module.named_parameters() if p.requires_grad]
+    return StagingLayout.of(module, trainable, torch.device("cpu"), dtype, pin_memory=device.type == "cuda")
 
 
 def base_checkpoint_tensors(peft_module) -> dict[str, torch.Tensor]:
     """A PEFT model's base weights (merged, when its adapters are merged) under their checkpoint names, without the
     adapter weights and the originals of ``modules_to_save``."""
     return {
-        checkpoint_name(name): param.detach()
+        vllm_weight_name(name): param.detach()
         for name, param in peft_module.named_parameters()
         if is_base_weight(peft_module, name)
     }
@@ -142,11 +140,11 @@ def merged_checkpoint_tensors(peft_module) -> Iterator[tuple[str, torch.Tensor]]
     names = {id(param): name for name, param in peft_module.named_parameters()}
     for name, param in peft_module.named_parameters():
         if is_base_weight(peft_module, name) and id(param) not in adapted:
-            yield checkpoint_name(name), param.detach()
+            yield vllm_weight_name(name), param.detach()
     for group in layers.values():
         merged = _merged_out_of_place(group)
         for param, tensor in merged:
-            yield checkpoint_name(names[id(param)]), tensor
+            yield vllm_weight_name(names[id(param)]), tensor
 
 
 def _merged_out_of_place(layers) -> list[tuple[nn.Parameter, torch.Tensor]]:
@@ -173,13 +171,6 @@ def is_base_weight(peft_module, name: str) -> bool:
     """Whether a PEFT model's parameter belongs in the base model's checkpoint: not an adapter weight, not the
     original of a ``modules_to_save`` module (its trainable copy is)."""
     return peft_module.prefix not in name and "original_module" not in name
-
-
-def checkpoint_name(name: str) -> str:
-    """A training module's parameter name as vLLM's ``load_weights`` expects it (Hugging Face checkpoint names): the
-    PEFT wrapper's prefixes and ``base_layer`` removed, as TRL's vLLM weight sync does."""
-    name = name.removeprefix("base_model.model.").replace(".base_layer", "")
-    return name.replace("modules_to_save.default.", "").replace("_checkpoint_wrapped_module.", "")
 
 
 def unsupported_lora_reason(peft_config) -> str | None:
@@ -214,7 +205,7 @@ def write_lora_adapter(directory: str, weights: dict[str, torch.Tensor], peft_co
     os.makedirs(directory, exist_ok=True)
     marker = f".{adapter_name}."
     tensors = {
-        name.replace(marker, "."): tensor.detach().to("cpu", copy=True).contiguous()
+        without_checkpoint_wrapper(name).replace(marker, "."): tensor.detach().to("cpu", copy=True).contiguous()
         for name, tensor in weights.items()
         if marker in name
     }

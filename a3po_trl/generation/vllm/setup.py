@@ -33,22 +33,36 @@ import tempfile
 
 import torch
 
+from ...devices import explicit_device
 from ...patches import peft_base_model
-from ..gather import as_parameter_gather
-from .common import VLLMSamplingSettings, base_checkpoint_tensors, checkpoint_name, is_base_weight
+from ..weights import as_parameter_gather, checkpoint_dtype, generator_dtype, vllm_weight_name
+from ..weights.precision import bf16_supported, vllm_dtype_name
+from ..weights.store import staged_dtype
+from .common import VLLMSamplingSettings, base_checkpoint_tensors, is_base_weight
 
 logger = logging.getLogger(__name__)
 
 
-def engine_dtype(module: torch.nn.Module) -> str:
-    """The engine's dtype: the training weights' (vLLM's ``auto`` would turn an fp32 model into bf16 on CPU)."""
-    dtype = next(module.parameters()).dtype
-    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "auto")
+def engine_dtype(module: torch.nn.Module, device: torch.device, mixed_precision: str | None) -> torch.dtype:
+    """The dtype the engine holds the weights in (:func:`~a3po_trl.generation.weights.generator_dtype`): the trainer's
+    mixed-precision dtype; on a GPU in full precision the checkpoint's (vLLM's ``auto``, as TRL's engines); on CPU
+    in full precision the training weights' (vLLM's ``auto`` would serve a float32 model in bfloat16 there)."""
+    base = peft_base_model(module)
+    dtype = generator_dtype(
+        backend="vllm",
+        device=device,
+        mixed_precision=mixed_precision,
+        checkpoint=checkpoint_dtype(base.config),
+        bf16_supported=bf16_supported(device),
+    )
+    if dtype is not None:
+        return dtype
+    return next((p.dtype for p in base.parameters() if p.is_floating_point()), torch.float32)
 
 
-def base_model_path(module: torch.nn.Module, gather=None) -> str:
+def base_model_path(module: torch.nn.Module, gather=None, dtype: torch.dtype | None = None) -> str:
     """Where the engine loads the base model of the training ``module`` from: its local directory or hub id, else a
-    copy saved now. ``gather``: the trainer's :class:`~a3po_trl.generation.gather.ParameterGather`; when the
+    copy saved now. ``gather``: the trainer's :class:`~a3po_trl.generation.weights.ParameterGather`; when the
     parameters are sharded (FSDP2, ZeRO-3) the copy is written from whole tensors gathered one at a time, which is a
     collective: called in the main thread of every process together (the backends are built in ``_start_engine``),
     and every process gathers every tensor whatever its own checks found: the processes first agree whether any of
@@ -66,7 +80,7 @@ def base_model_path(module: torch.nn.Module, gather=None) -> str:
     directory = tempfile.mkdtemp(prefix="a3po-vllm-model-")
     logger.info("Saving the base model to %s for the vLLM engine (it has no checkpoint directory).", directory)
     if gather.sharded:
-        write_gathered_checkpoint(module, directory, gather)
+        write_gathered_checkpoint(module, directory, gather, dtype=dtype)
     elif hasattr(module, "get_base_model"):  # the base weights under their checkpoint names, without the adapters
         base.save_pretrained(directory, state_dict=base_checkpoint_tensors(module))
     else:
@@ -83,18 +97,21 @@ def _existing_model_path(name: str) -> str | None:
     return None
 
 
-def write_gathered_checkpoint(module: torch.nn.Module, directory: str, gather, shard_bytes: int = 2**30) -> None:
+def write_gathered_checkpoint(
+    module: torch.nn.Module, directory: str, gather, shard_bytes: int = 2**30, dtype: torch.dtype | None = None
+) -> None:
     """Write the base model of a sharded ``module`` (a causal LM, or a PEFT model around one: its base weights
     only, under their checkpoint names) as a Hugging Face checkpoint vLLM loads: ``config.json`` naming the
     unsharded class (``fully_shard`` renames it ``FSDP<Class>``) and safetensors files of at most ``shard_bytes``
     each with their index. Each parameter is gathered whole on every process (``gather``, in order), copied to CPU
     and written once ``shard_bytes`` have been collected: the whole model never sits in memory beside the shards.
+    Floating tensors are written in ``dtype`` (the engine's; None: as gathered).
     Parameters tied to another (a tied LM head) appear once, under the first name, as ``save_pretrained`` writes
     them; buffers are not written (vLLM does not load them). A process that fails to write keeps gathering to the
     end, so that the others are not left in a collective, and raises then."""
     from safetensors.torch import save_file
 
-    from ..unsharded import unsharded_class
+    from ..weights.copies import unsharded_class
 
     base = peft_base_model(module)
     is_peft = hasattr(module, "get_base_model")
@@ -114,7 +131,8 @@ def write_gathered_checkpoint(module: torch.nn.Module, directory: str, gather, s
 
     for name, tensor in gather.full_tensors(named):
         if failure is None:
-            pending[checkpoint_name(name)] = tensor.to("cpu", copy=True).contiguous()
+            value = tensor.to("cpu", dtype=staged_dtype(tensor.dtype, dtype), copy=True).contiguous()
+            pending[vllm_weight_name(name)] = value
             size += tensor.numel() * tensor.element_size()
         if size >= shard_bytes:
             flush()
@@ -139,15 +157,20 @@ def build_vllm_backend(
     process_index: int,
     num_processes: int,
     shared=None,
+    mixed_precision: str | None = None,
 ):
     """The vLLM backend (``use_vllm=True``), colocate or server, for the unwrapped training ``module`` with the
     trainer's ``args`` (an :class:`~a3po_trl.AsyncA3POConfig`) and sampling settings. ``shared``: a
     :class:`~a3po_trl.generation.vllm.shared_server.SharedServerVersions` when several processes share a server with
-    full weights."""
+    full weights. ``mixed_precision``: the trainer's (accelerate's setting), which sets the engine's dtype
+    (:func:`engine_dtype`)."""
+    device = explicit_device(device)
     if args.vllm_mode == "server":
         from .server import VLLMServerBackend
 
-        return VLLMServerBackend(module, args, sampling, device=device, gather=gather, shared=shared)
+        return VLLMServerBackend(
+            module, args, sampling, device=device, gather=gather, shared=shared, mixed_precision=mixed_precision
+        )
     from .colocate import VLLMColocateBackend
 
     if device.type == "cpu" and (args.generation_num_threads or args.training_num_threads):
@@ -158,8 +181,9 @@ def build_vllm_backend(
         )
     local_batch = args.per_device_train_batch_size * args.steps_per_generation
     max_model_len = args.vllm_max_model_length
+    dtype = engine_dtype(module, device, mixed_precision)
     engine_kwargs = dict(
-        dtype=engine_dtype(module),
+        dtype=vllm_dtype_name(dtype),
         max_model_len=max_model_len,
         max_num_seqs=local_batch,
         max_num_batched_tokens=max(4096, max_model_len or 0),
@@ -177,5 +201,5 @@ def build_vllm_backend(
         # built in _start_engine, which every process reaches at the same step). Each group holds this process
         # alone (tensor, pipeline and data parallel size 1), so generating never communicates with another process.
         engine_kwargs["distributed_executor_backend"] = "external_launcher"
-    model_path = base_model_path(module, gather)
-    return VLLMColocateBackend(module, model_path, sampling, engine_kwargs, device=device, gather=gather)
+    model_path = base_model_path(module, gather, dtype)
+    return VLLMColocateBackend(module, model_path, sampling, engine_kwargs, device=device, gather=gather, dtype=dtype)

@@ -23,7 +23,8 @@ and loads that instead.
 A process waits only for what it needs: the other processes' batches of an older version to finish (their
 generation, tool calls and rewards, as with one process the next batch waits for the previous one), and for every
 process to publish the version (they publish right after the same optimizer step). Nothing waits on a timer: a
-process that failed or closed its backend is reported through the store (``failed``, ``closed/{rank}``), and one that
+process that failed or closed its backend is reported through the store (``failed``, for the round, and
+``closed/{rank}``), and one that
 died is noticed by its heartbeat (``alive/{rank}``, advanced every second by a thread) stopping, so the others fail
 within ``liveness_timeout`` seconds with an error that names it.
 """
@@ -108,14 +109,15 @@ class SharedServerVersions:
     def acquire(
         self,
         version: int,
-        load: Callable[[], None],
+        load: Callable[[], bool],
         newer: Callable[[], int] | None = None,
         should_stop: Callable[[], bool] | None = None,
     ) -> bool:
         """Make the server hold ``version`` for this process's next requests, loading it with ``load()`` if this
-        process is the one to switch it. Returns False, without holding anything, if the server moved past
-        ``version`` or (``newer`` given) this process published a newer version meanwhile: the caller loads its
-        newest and asks again. Raises :class:`SharedServerError` if a process it waits for failed or died, and
+        process is the one to switch it (``load`` returns False, having loaded nothing, when this process no longer
+        holds ``version``). Returns False, without holding anything, if the server moved past ``version`` or
+        (``newer`` given) this process published a newer version meanwhile: the caller loads its newest and asks
+        again. Raises :class:`SharedServerError` if a process it waits for failed or died, and
         :class:`GenerationStopped` when ``should_stop()`` turns true while it waits (this process's trainer is
         stopping: its generation thread must not wait for the others)."""
         start = time.perf_counter()
@@ -148,9 +150,11 @@ class SharedServerVersions:
         self._set_int(f"needed/{self.rank}", ANY_VERSION if next_version is None else next_version)
 
     def fail(self, reason: str) -> None:
-        """Tell the other processes that this one's generation failed (they stop waiting for it and fail too)."""
-        if not self.store.check(["failed"]):
-            self.store.set("failed", f"process {self.rank}: {reason}")
+        """Tell the other processes that this one's generation failed in this round (they stop waiting for it and
+        fail too); the next round (the next ``train()``) starts clean."""
+        key = self._key("failed")
+        if not self.store.check([key]):
+            self.store.set(key, f"process {self.rank}: {reason}")
 
     def close(self) -> None:
         """This process no longer uses the server (idempotent)."""
@@ -170,7 +174,7 @@ class SharedServerVersions:
         holder = self.store.get(key).decode()
         return int(holder) if holder else None
 
-    def _try_switch(self, version: int, load: Callable[[], None]) -> bool:
+    def _try_switch(self, version: int, load: Callable[[], bool]) -> bool:
         """Take the switch lock; if every process has published ``version`` and none needs an older one, load it."""
         key, me = self._key("switch"), str(self.rank)
         if self.store.compare_set(key, "", me).decode() != me:
@@ -187,7 +191,8 @@ class SharedServerVersions:
             if blockers:
                 self._check_alive(blockers, version)
                 return False
-            load()
+            if not load():
+                return False  # this process no longer holds the version (it published a newer one)
             self._set_int("loaded", version)
             self.switches += 1
             return True
@@ -195,9 +200,10 @@ class SharedServerVersions:
             self.store.set(key, "")
 
     def _check_failed(self) -> None:
-        if self.store.check(["failed"]):
+        key = self._key("failed")
+        if self.store.check([key]):
             raise SharedServerError(
-                f"A training process sharing the vLLM server failed ({self.store.get('failed').decode()}); this "
+                f"A training process sharing the vLLM server failed ({self.store.get(key).decode()}); this "
                 "process stops generating too."
             )
 

@@ -5,7 +5,7 @@ every process must take part in every gather, in the same order, or the run dead
 on its own: the trainer injects one :class:`ParameterGather` (:func:`as_parameter_gather` turns ``None`` or a
 ZeRO-3-style context-manager factory into one), and a backend reads weights only through
 :meth:`ParameterGather.full_tensors`, which yields one whole tensor per parameter it is given. The publication
-(:meth:`~a3po_trl.generation.backend.GenerationBackend.publish`) iterates all of a version's trainable parameters
+(:meth:`~a3po_trl.generation.weights.VersionedWeights.publish`) iterates all of a version's trainable parameters
 through it, with no early exit, from the main thread of every process.
 
 - :class:`ParameterGather`: parameters already whole (one process, DDP, ZeRO-1/2): the tensors themselves.

@@ -1,0 +1,55 @@
+"""Devices as the generator uses them: always with an explicit index, compared as memory, waited for per stream.
+
+accelerate gives a one-process CUDA run ``torch.device("cuda")``, with no index, and ``torch.cuda.set_device``,
+``torch.cuda.Stream`` and per-device stream queries refuse or reinterpret such a device; several processes get
+``cuda:N``. :func:`explicit_device` turns every device the generator is given into the indexed form, once, where the
+backend is built, so nothing downstream has to care.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+
+def explicit_device(device: torch.device | str | int, current_index: Callable[[], int] | None = None) -> torch.device:
+    """``device`` with an explicit index where its type has several devices: ``cuda`` becomes ``cuda:<current
+    device>`` (``current_index`` defaults to ``torch.cuda.current_device``; the same for other accelerator types
+    through their ``torch`` module); ``cpu`` and ``meta`` stay as they are (one memory each)."""
+    device = torch.device(device)
+    if device.index is not None or device.type in ("cpu", "meta"):
+        return device
+    if current_index is None:
+        backend = getattr(torch, device.type, None)
+        if backend is None or not hasattr(backend, "current_device"):
+            raise ValueError(
+                f"Cannot tell which {device.type} device {device} means: give it an index, e.g. '{device.type}:0'."
+            )
+        current_index = backend.current_device
+    return torch.device(device.type, current_index())
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether two devices are the same memory: ``cpu`` and ``cpu:0`` are; ``cuda`` means the current CUDA device."""
+    if a.type != b.type:
+        return False
+    if a.type == "cpu":
+        return True
+    return explicit_device(a).index == explicit_device(b).index
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """The device of ``module``'s first parameter (CPU for a module without parameters)."""
+    for param in module.parameters():
+        return param.device
+    return torch.device("cpu")
+
+
+def wait_for_copies(devices: Iterable[torch.device]) -> None:
+    """Block until the work queued on the calling thread's current stream of every CUDA device in ``devices`` is
+    done: asynchronous copies into or out of a buffer another thread reads next (the generation thread has its own
+    stream; the main thread writes with the default one). No-op for other devices."""
+    for device in {explicit_device(d) for d in devices if torch.device(d).type == "cuda"}:
+        torch.cuda.current_stream(device).synchronize()

@@ -1,0 +1,113 @@
+"""Devices without an index: accelerate gives a one-process CUDA run ``torch.device("cuda")``, which
+``torch.cuda.set_device`` refuses. The generator normalises every device it is given, once; these tests stand in for
+CUDA with the calls torch would make, so they catch the crash on a CPU machine."""
+
+import contextlib
+
+import torch
+
+from a3po_trl.devices import explicit_device, same_device, wait_for_copies
+from a3po_trl.generation import GenerationBackend, GenerationEngine
+from a3po_trl.generation.weights import ParameterGather, StagingLayout, VersionedWeights
+from a3po_trl.types import ScoredBatch
+
+
+def test_explicit_device_gives_cuda_the_current_index_and_leaves_indexed_and_host_devices_alone():
+    assert explicit_device("cuda", current_index=lambda: 3) == torch.device("cuda:3")
+    assert explicit_device(torch.device("cuda", 1), current_index=lambda: 3) == torch.device("cuda:1")
+    assert explicit_device("cpu") == torch.device("cpu")
+    assert explicit_device("meta") == torch.device("meta")
+
+
+def test_same_device_compares_memory_not_spelling(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert same_device(torch.device("cuda"), torch.device("cuda:0"))
+    assert not same_device(torch.device("cuda"), torch.device("cuda:1"))
+    assert same_device(torch.device("cpu"), torch.device("cpu:0"))
+    assert not same_device(torch.device("cpu"), torch.device("cuda:0"))
+
+
+class FakeCuda:
+    """What the generation thread asks of CUDA, with torch's own refusal of a device without an index."""
+
+    def __init__(self):
+        self.set_devices, self.synchronized = [], []
+
+    def set_device(self, device):
+        device = torch.device(device)
+        if device.index is None:  # torch: "Expected a torch.device with a specified index or an integer"
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+        self.set_devices.append(device)
+
+    def install(self, monkeypatch):
+        fake = self
+
+        class Stream:
+            def __init__(self, device=None):
+                if torch.device(device).index is None:
+                    raise ValueError("Expected a torch.device with a specified index")
+
+            def synchronize(self):
+                fake.synchronized.append("stream")
+
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "set_device", self.set_device)
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+
+
+class OneWeightBackend(GenerationBackend):
+    def __init__(self, device):
+        layout = StagingLayout({"w": torch.Size([1])}, {"w": torch.float32}, torch.device("cpu"))
+        super().__init__(VersionedWeights(layout, ParameterGather()), device)
+
+    def load_weights(self, weights, version):
+        pass
+
+    def generate(self, prompt_ids, should_stop, seed):
+        raise NotImplementedError
+
+
+def test_a_backend_given_cuda_without_an_index_generates_on_the_current_device(monkeypatch):
+    """The one-GPU crash: the engine's thread sets its device and makes its stream from the backend's device."""
+    fake = FakeCuda()
+    fake.install(monkeypatch)
+    backend = OneWeightBackend(torch.device("cuda"))  # what accelerate gives a one-process run
+    assert backend.device == torch.device("cuda:0")
+
+    def rollout(backend, rows, should_stop, state, index):
+        return ScoredBatch(
+            index=index,
+            version=-1,
+            tensors={},
+            rewards_per_func=torch.zeros(1, 1),
+            is_truncated=torch.zeros(1, dtype=torch.bool),
+            completion_lengths=torch.ones(1, dtype=torch.long),
+        )
+
+    engine = GenerationEngine(
+        backend, iter([[{"prompt": "a"}]]), rollout, lambda i: 0, num_batches=1, queue_size=1, poll_interval=0.01
+    )
+    engine.start(torch.nn.ParameterDict({"w": torch.nn.Parameter(torch.zeros(1))}), 0)
+    try:
+        batch, _ = engine.get()
+    finally:
+        engine.stop()
+    assert batch.index == 0
+    assert fake.set_devices == [torch.device("cuda:0")]
+
+
+def test_waiting_for_copies_waits_on_every_cuda_device_named_and_ignores_the_host(monkeypatch):
+    waited = []
+
+    class Stream:
+        def __init__(self, device):
+            self.device = device
+
+        def synchronize(self):
+            waited.append(self.device)
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(device))
+    wait_for_copies([torch.device("cpu"), torch.device("cuda"), torch.device("cuda:2"), torch.device("cuda:1")])
+    assert sorted(str(d) for d in waited) == ["cuda:1", "cuda:2"]  # "cuda" is cuda:2: waited for once
