@@ -46,6 +46,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--lora", action="store_true", help="LoRA r=16 on all linear layers (else full weights)")
     parser.add_argument("--threads", type=int, default=1, help="OMP threads per process (CPU)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument(
+        "--precision",
+        default=None,
+        choices=("fp32", "bf16"),
+        help="fp32, or bf16 mixed precision (bf16=True: the generator and a vLLM engine hold bf16 weights); "
+        "default bf16 on cuda, fp32 on cpu",
+    )
+    parser.add_argument(
+        "--staleness", type=int, default=1, help="max_staleness (0: the mismatch is measured at every step)"
+    )
     parser.add_argument("--server-device", default="1", help="CUDA_VISIBLE_DEVICES of the server with --device cuda")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--processes", type=int, default=1, help="training processes (accelerate launch, DDP)")
@@ -53,6 +63,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--server-url", default=None, help=argparse.SUPPRESS)
     return parser
+
+
+def _precision(options) -> str:
+    return options.precision or ("bf16" if options.device == "cuda" else "fp32")
 
 
 def _free_port() -> int:
@@ -137,12 +151,12 @@ def _run_one(options) -> dict:
         max_completion_length=options.max_completion_length,
         max_steps=options.steps,
         learning_rate=1e-5,
-        max_staleness=1,
+        max_staleness=options.staleness,
         logging_steps=1,
         report_to="none",
         save_strategy="no",
         use_cpu=options.device == "cpu",
-        bf16=options.device == "cuda",
+        bf16=_precision(options) == "bf16",
         seed=options.seed,
         **vllm,
     )
@@ -171,6 +185,9 @@ def _run_one(options) -> dict:
     mismatch = [
         h["a3po/behavior_mismatch_max"] for h in trainer.state.log_history if "a3po/behavior_mismatch_max" in h
     ]
+    mismatch_mean = [
+        h["a3po/behavior_mismatch_mean"] for h in trainer.state.log_history if "a3po/behavior_mismatch_mean" in h
+    ]
     shared = getattr(trainer._backend, "_shared", None)  # a full-weight server shared by several processes
     return {
         "processes": trainer.accelerator.num_processes,
@@ -188,6 +205,9 @@ def _run_one(options) -> dict:
         "weight_sync_seconds": mean("async/weight_sync_time"),
         "weight_load_seconds": mean("async/weight_load_time"),
         "behavior_mismatch_max": max(mismatch) if mismatch else None,
+        "behavior_mismatch_mean": statistics.fmean(mismatch_mean) if mismatch_mean else None,
+        "behavior_mismatch_steps": len(mismatch),
+        "generator_dtype": str(trainer._backend.weights.layout.dtypes[trainer._backend.trainable_names[0]]),
         "total_seconds": total,
     }
 
@@ -197,19 +217,21 @@ def _table(results: list[dict], meta: dict) -> str:
         f"Backends, {meta['model']} ({'LoRA r=16' if meta['lora'] else 'full weights'}), {meta['batch']} completions "
         f"x {meta['max_completion_length']} tokens per step, {meta['steps']} steps ({meta['warmup']} warm-up left "
         f"out), {meta['threads']} thread(s) per process, device {meta['device']}, "
-        f"{meta.get('processes', 1)} training process(es), load before: {meta['load']}.",
+        f"{meta.get('processes', 1)} training process(es), {meta.get('precision', 'fp32')}, max_staleness "
+        f"{meta.get('staleness', 1)}, load before: {meta['load']}.",
         "",
         "| backend | tokens/s | s/step | generation s/batch | training s/step | ideal | ratio | version load s "
-        "| mismatch max | staleness mean | shared-server wait s/step |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| mismatch max | mismatch mean | staleness mean | shared-server wait s/step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         mismatch = f"{r['behavior_mismatch_max']:.1e}" if r["behavior_mismatch_max"] is not None else "-"
+        mean = f"{r['behavior_mismatch_mean']:.1e}" if r.get("behavior_mismatch_mean") is not None else "-"
         load = f"{r['weight_load_seconds']:.2f}" if r.get("weight_load_seconds") is not None else "-"
         lines.append(
             f"| {r['backend']} | {r['generation_tokens_per_second']:.1f} | {r['seconds_per_step']:.2f} | "
             f"{r['generation_seconds_per_batch']:.2f} | {r['training_seconds_per_step']:.2f} | "
-            f"{r['pipelining_ideal']:.2f} | {r['ratio_to_ideal']:.2f} | {load} | {mismatch} | "
+            f"{r['pipelining_ideal']:.2f} | {r['ratio_to_ideal']:.2f} | {load} | {mismatch} | {mean} | "
             f"{_number(r.get('staleness_mean'))} | {_number(r.get('shared_server_wait_seconds_per_step'))} |"
         )
     return "\n".join(lines) + "\n"
@@ -230,6 +252,8 @@ def main() -> None:
     if options.processes > 1:
         meta["processes"] = options.processes
     meta.update(threads=options.threads, device=options.device, load=os.getloadavg()[0])
+    if _precision(options) != "fp32" or options.staleness != 1:  # older result files have neither
+        meta.update(precision=_precision(options), staleness=options.staleness)
     results = []
     for backend in options.backends.split(","):
         if backend not in BACKENDS:

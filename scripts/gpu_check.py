@@ -69,6 +69,7 @@ import os
 import platform
 import sys
 import tempfile
+import textwrap
 import time
 import traceback
 import warnings
@@ -282,18 +283,22 @@ def dtype_summary(tensors) -> str:
 
 def generator_dtypes(trainer) -> dict[str, str]:
     """Dtypes of the training weights, the generator's copy and the staging buffers of an AsyncA3POTrainer's
-    ``generate`` backend. Reads the backend's internals (``module``: the generator's copy; ``_template``: one staging
-    buffer, ``{name: tensor}``) by name, so a renamed attribute shows as "not found" instead of failing the check:
-    adjust the names here when they move."""
+    ``generate`` backend (``trainer.last_generation_engine.backend``: its ``module`` is the generator's copy, its
+    ``weights.layout`` the staging buffers' shapes and dtypes); "not found" where a run has none."""
     backend = getattr(getattr(trainer, "last_generation_engine", None), "backend", None)
     module = getattr(backend, "module", None)
-    staging = next(
-        (found for name in ("_template", "staging", "_staging") if (found := getattr(backend, name, None))), None
-    )
+    layout = getattr(getattr(backend, "weights", None), "layout", None)
+    staging = Counter()
+    for name, shape in (layout.shapes.items() if layout is not None else []):
+        staging[str(layout.dtypes[name]).removeprefix("torch.")] += shape.numel()
     return {
         "training weights": dtype_summary(trainer.model.parameters()),
         "generator copy": dtype_summary(module.parameters()) if module is not None else "not found",
-        "staging buffer": dtype_summary(staging.values()) if isinstance(staging, dict) else "not found",
+        "staging buffer": (
+            ", ".join(f"{dtype} {count / 1e6:.4g}M" for dtype, count in sorted(staging.items())) or "none"
+            if layout is not None
+            else "not found"
+        ),
     }
 
 
@@ -356,6 +361,10 @@ def run_one(kind: str, pair: str, tokenizer, config, dataset, cpu: bool, steps: 
                 run["dtypes"] = generator_dtypes(trainer)
                 for part, summary in run["dtypes"].items():
                     print(f"  [{name}] {part}: {summary}", flush=True)
+                plan = getattr(trainer.last_generation_engine.backend, "memory_plan", None)
+                if plan is not None:  # what the trainer estimated before building the generator
+                    run["memory_plan"] = plan.describe()
+                    print(textwrap.indent(run["memory_plan"], f"  [{name}] "), flush=True)
     except Exception as error:  # a crash is a finding: record it and go on with the other runs
         traceback.print_exc()
         run["error"] = f"{type(error).__name__}: {error}"

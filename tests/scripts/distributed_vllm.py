@@ -3,14 +3,16 @@ server shared by both.
 
 accelerate launch --config_file CONFIG tests/scripts/distributed_vllm.py OUT_DIR MODEL_DIR MODE [--url URL] [--lora]
     [--fail-rank R] [--reproducible] [--steps N] [--kill-server PID --kill-at-step S] [--fsdp2] [--unsaved] [--dora]
-    [--staleness K]
+    [--staleness K] [--bf16]
 
 MODE is ``colocate`` or ``server``. ``--fail-rank R``: process R's engine raises on its second batch (a fault in one
 process). ``--kill-server PID --kill-at-step S``: process 0 kills the server's process group once checkpoint S is
 saved (checkpoints every step then). ``--fsdp2``: launched with an FSDP2 config, turned on for CPU by
 tests/fsdp_cpu.py (the report says how many parameters are sharded). ``--unsaved``: the model is built in memory (no
 checkpoint directory: the colocated engine starts from a copy the trainer writes). ``--dora``: a LoRA config vLLM
-cannot serve as an adapter (merged into a private copy). One JSON report per rank, written also when training fails.
+cannot serve as an adapter (merged into a private copy). ``--bf16``: bf16 mixed precision (launched with
+``mixed_precision: bf16`` too); the report gives the dtypes of the trainable weights, the engine and the staging
+buffers. One JSON report per rank, written also when training fails.
 """
 
 import json
@@ -81,6 +83,8 @@ def main():
         settings["max_staleness"] = int(option("--staleness"))
     if "--reproducible" in sys.argv:
         settings["reproducible_generation"] = True
+    if "--bf16" in sys.argv:
+        settings["bf16"] = True
     kill_pid, kill_step = option("--kill-server"), int(option("--kill-at-step", 0))
     if kill_pid is not None:
         settings.update(save_strategy="steps", save_steps=1, max_staleness=1)
@@ -171,6 +175,13 @@ def main():
         lora_request=getattr(getattr(trainer._backend, "_lora_request", None), "lora_name", None),
         engine_model=engine_model(trainer._backend),
         merge_copy=type(getattr(trainer._backend, "_merge_copy", None)).__name__,
+        mixed_precision=trainer.accelerator.mixed_precision,
+        trainable_dtypes=sorted({str(p.dtype) for p in trainer.model.parameters() if p.requires_grad}),
+        engine_dtype=str(trainer._backend.llm.llm_engine.model_config.dtype)
+        if hasattr(trainer._backend, "llm")
+        else None,
+        staging_dtypes=sorted({str(d) for d in trainer._backend.weights.layout.dtypes.values()}),
+        staging_device=str(trainer._backend.weights.layout.device),
         max_staleness_seen=max([h["a3po/staleness_max"] for h in history if "a3po/staleness_max" in h] or [-1]),
         mismatch_max=[h["a3po/behavior_mismatch_max"] for h in history if "a3po/behavior_mismatch_max" in h],
         generator_versions=[h["async/generator_version"] for h in history if "async/generator_version" in h],

@@ -236,7 +236,7 @@ def check_saved_adapter(trainer, out_dir, tokenizer, policy, fixed):
     return report | {
         "adapter_files": sorted(os.listdir(adapter_dir)),
         "adapter_equals_generator": all(
-            torch.equal(own[without_checkpoint_wrapper(name)], policy._own[name].cpu())
+            torch.equal(own[without_checkpoint_wrapper(name)].to(policy._own[name].dtype), policy._own[name].cpu())
             for name in policy.trainable_names
         ),
         "adapter_tensors": len(policy.trainable_names),

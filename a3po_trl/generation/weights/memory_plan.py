@@ -95,9 +95,9 @@ class GeneratorMemoryPlan:
         """A few lines: each item in GiB, and the total per device."""
         lines = [f"Generator memory plan ({self.setup.backend}, dtype {_dtype_name(self.setup.dtype)}), per process:"]
         for item in self.items:
-            lines.append(f"  {item.what:<58} {item.bytes / GIB:8.2f} GiB on {item.device}")
+            lines.append(f"  {item.what:<58} {_size(item.bytes)} on {item.device}")
         for device in self.devices:
-            lines.append(f"  {'total':<58} {self.bytes_on(device) / GIB:8.2f} GiB on {device}")
+            lines.append(f"  {'total':<58} {_size(self.bytes_on(device))} on {device}")
         return "\n".join(lines)
 
     def check(self, free_bytes: dict[str, int]) -> None:
@@ -214,6 +214,10 @@ def _unique_parameters(module: nn.Module):
 
 def _item_bytes(plan: GeneratorMemoryPlan, prefix: str) -> int:
     return sum(item.bytes for item in plan.items if item.what.startswith(prefix))
+
+
+def _size(size: int) -> str:
+    return f"{size / GIB:8.2f} GiB" if size >= GIB // 100 else f"{size / 2**20:8.2f} MiB"
 
 
 def _element_size(dtype: torch.dtype) -> int:
