@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from safetensors.torch import save_file
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
-from a3po_trl.checkpoints import checkpoint_problems, newest_complete_checkpoint, resolve_resume_checkpoint
+from a3po_trl.checkpoints import checkpoint_problems, newest_complete_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHECKPOINTS = dict(save_strategy="steps", save_steps=1)
@@ -57,21 +56,6 @@ def test_a_checkpoint_is_complete_only_if_its_state_and_files_are_whole(tmp_path
     ]
     os.remove(folder / "trainer_state.json")
     assert checkpoint_problems(str(folder))[0] == "trainer_state.json is missing"
-
-
-def _one_process_trainer(output_dir):
-    accelerator = SimpleNamespace(is_main_process=True, num_processes=1)
-    return SimpleNamespace(accelerator=accelerator, args=SimpleNamespace(output_dir=str(output_dir)))
-
-
-def test_resume_true_with_only_interrupted_writes_starts_from_the_beginning(tmp_path, caplog):
-    (tmp_path / "tmp-checkpoint-1" / "checkpoint-1").mkdir(parents=True)  # the first save was interrupted
-    (tmp_path / "checkpoint-2").mkdir()  # an in-place write that never got its trainer state
-    with caplog.at_level(logging.WARNING, logger="a3po_trl.checkpoints"):
-        assert resolve_resume_checkpoint(_one_process_trainer(tmp_path), True) is None
-    assert "skips" in caplog.text and "checkpoint-2" in caplog.text and "starts from the beginning" in caplog.text
-    # nothing at all: left to transformers, which says there is no checkpoint
-    assert resolve_resume_checkpoint(_one_process_trainer(tmp_path / "empty"), True) is True
 
 
 class _RecordResumedStep(TrainerCallback):

@@ -21,6 +21,7 @@ LAYERS = {
     "a3po_trl.timeline_plot": 6,  # draws a trace (matplotlib, imported lazily)
     "a3po_trl.patches": 1,
     "a3po_trl.distributed": 1,
+    "a3po_trl.checkpoint_files": 1,  # what a complete checkpoint folder is, and the filesystem it needs
     "a3po_trl.generation": 2,  # the engine, the queue, the schedule, the backend interface
     "a3po_trl.generation.hf": 3,
     "a3po_trl.generation.vllm": 3,
