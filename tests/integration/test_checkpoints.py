@@ -8,15 +8,18 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
-from helpers import free_port, make_trainer
+from helpers import StopAt, free_port, make_trainer
 from safetensors.torch import save_file
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
-from a3po_trl.checkpoints import checkpoint_problems, newest_complete_checkpoint
+from a3po_trl import trainer as trainer_module
+from a3po_trl.checkpoints import checkpoint_problems, newest_complete_checkpoint, resolve_resume_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHECKPOINTS = dict(save_strategy="steps", save_steps=1)
@@ -90,6 +93,74 @@ def test_resume_true_skips_a_partial_newest_checkpoint(tokenizer, tmp_path, capl
     assert newest_complete_checkpoint(str(out)) == (str(out / "checkpoint-3"), [])
     assert checkpoint_problems(str(out / "checkpoint-2")) == []
     assert not [p for p in os.listdir(out) if p.startswith("tmp-")]
+
+
+class _SaveAgainAndDieAt(TrainerCallback):
+    """Saves step ``step`` a second time right after its regular save, as ``enable_jit_checkpoint`` does when a
+    SIGTERM arrives then, and the process dies while that save writes the optimizer state."""
+
+    def __init__(self, trainer, step):
+        self.trainer, self.step = trainer, step
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step != self.step:
+            return
+        real_save = torch.save
+
+        def dies_mid_write(obj, f, *args, **kwargs):
+            if os.fspath(f).endswith("optimizer.pt"):
+                raise KeyboardInterrupt
+            return real_save(obj, f, *args, **kwargs)
+
+        with mock.patch.object(torch, "save", dies_mid_write):
+            self.trainer._save_checkpoint(self.trainer.model, trial=None)
+
+
+def test_a_kill_while_a_step_is_saved_again_leaves_it_resumable(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, max_steps=2, save_total_limit=1, **CHECKPOINTS)
+    trainer.add_callback(_SaveAgainAndDieAt(trainer, 2))
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    out = tmp_path / "out"
+    assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint-")) == ["checkpoint-2"]
+    assert checkpoint_problems(str(out / "checkpoint-2")) == []
+
+    resumed = make_trainer(tokenizer, tmp_path, max_steps=3, save_total_limit=1, **CHECKPOINTS)
+    recorder = _RecordResumedStep()
+    resumed.add_callback(recorder)
+    resumed.train(resume_from_checkpoint=True)
+    assert recorder.started_at == 2 and resumed.state.global_step == 3
+
+
+def test_a_checkpoint_that_lost_a_file_its_manifest_lists_is_not_resumed_from(tokenizer, tmp_path):
+    make_trainer(tokenizer, tmp_path, max_steps=2, **CHECKPOINTS).train()
+    out = tmp_path / "out"
+    os.remove(out / "checkpoint-2" / "rng_state.pth")  # whole otherwise: every remaining file is intact
+    assert checkpoint_problems(str(out / "checkpoint-2")) == ["rng_state.pth is missing (the manifest lists it)"]
+    assert resolve_resume_checkpoint(make_trainer(tokenizer, tmp_path), True) == str(out / "checkpoint-1")
+
+
+def test_a_path_given_as_resume_from_checkpoint_restores_the_generators_kept_versions(tokenizer, tmp_path):
+    settings = dict(reproducible_generation=True, max_staleness=2, max_steps=4, save_steps=2, save_strategy="steps")
+    first = make_trainer(tokenizer, tmp_path, **settings)
+    first.add_callback(StopAt(2))
+    with pytest.raises(KeyboardInterrupt):
+        first.train()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert (checkpoint / "a3po_generator_versions.pt").is_file()  # versions a batch after step 2 still needs
+
+    loaded = []
+
+    def load_kept_versions(directory):
+        loaded.append(directory)
+        return real_load(directory)
+
+    real_load = trainer_module.load_kept_versions
+    resumed = make_trainer(tokenizer, tmp_path, **settings)
+    with mock.patch.object(trainer_module, "load_kept_versions", load_kept_versions):
+        resumed.train(resume_from_checkpoint=Path(checkpoint))
+    assert loaded == [str(checkpoint)] and real_load(loaded[0])
+    assert resumed.state.global_step == 4
 
 
 def test_rotation_keeps_the_newest_checkpoints(tokenizer, tmp_path):
