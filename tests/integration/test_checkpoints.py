@@ -222,3 +222,46 @@ def test_every_process_resumes_from_the_checkpoint_the_main_process_chose(tmp_pa
     reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
     for report in reports:
         assert report["resumed_from"] == "checkpoint-1" and report["started_at"] == 1 and report["global_step"] == 3
+
+
+@pytest.mark.slow
+def test_two_processes_raise_together_when_a_save_or_a_resume_fails_on_one_of_them(tmp_path):
+    """tests/scripts/checkpoint_agreement.py on two gloo processes: a failure on one process (a write, the rename,
+    the scan for resume) raises on both, within the deadline, instead of leaving the other in a collective."""
+    script = os.path.join(ROOT, "tests", "scripts", "checkpoint_agreement.py")
+    port = free_port()
+    processes = []
+    for rank in range(2):
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        processes.append(
+            subprocess.Popen([sys.executable, script, str(tmp_path)], env=env, stderr=subprocess.PIPE, text=True)
+        )
+    try:
+        errors = [process.communicate(timeout=300)[1] for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    assert [process.returncode for process in processes] == [0, 0], errors[0][-3000:] + errors[1][-3000:]
+    main, other = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2))
+
+    assert main["save"] is None and other["save"] is None
+    assert main["flushed_own_files"] and other["flushed_own_files"]  # each process flushes its own files
+    assert main["manifest"] == ["optimizer.pt", "rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"]
+
+    assert other["write_fails_on_process_1"][0] in ("FileNotFoundError", "PermissionError", "OSError")
+    assert main["write_fails_on_process_1"][0] == "CheckpointError"
+    assert "on process 1" in main["write_fails_on_process_1"][1]
+
+    assert main["rename_fails_on_the_main_process"] == ["OSError", "[Errno 5] Input/output error"]
+    assert other["rename_fails_on_the_main_process"][0] == "CheckpointError"
+
+    assert main["resume_scan_fails_on_the_main_process"][0] == "PermissionError"
+    assert other["resume_scan_fails_on_the_main_process"][0] == "CheckpointError"
+    # checkpoint-3 was written whole before its rename failed: resuming finishes its save
+    assert main["resumed_from"] == other["resumed_from"] == "checkpoint-3"
+
+    assert main["explicit_path_incomplete_on_the_main_process"][0] == "ValueError"
+    assert other["explicit_path_incomplete_on_the_main_process"][0] == "ValueError"
+    assert main["checkpoints"] == ["checkpoint-1", "checkpoint-3"]

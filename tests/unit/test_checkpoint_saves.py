@@ -5,58 +5,16 @@ A kill is a ``KeyboardInterrupt`` raised where the process would die: no cleanup
 so what is on disk afterwards is what a SIGKILL at that point would leave.
 """
 
-import json
 import logging
 import os
 import shutil
-from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import StandInTrainer
 
 from a3po_trl import checkpoints
-from a3po_trl.checkpoints import checkpoint_problems, resolve_resume_checkpoint, save_checkpoint_atomically
-
-
-class _State(SimpleNamespace):
-    def save_to_json(self, path):
-        with open(path, "w") as file:
-            json.dump({"global_step": self.global_step, "best_model_checkpoint": self.best_model_checkpoint}, file)
-
-
-class StandInTrainer:
-    """What the checkpoint code reads of a trainer, on one process."""
-
-    def __init__(self, output_dir, save_total_limit=None):
-        self.args = SimpleNamespace(
-            output_dir=str(output_dir),
-            should_save=True,
-            push_to_hub=False,
-            save_total_limit=save_total_limit,
-            save_on_each_node=False,
-        )
-        self.accelerator = SimpleNamespace(
-            num_processes=1, process_index=0, is_main_process=True, wait_for_everyone=lambda: None
-        )
-        self.state = _State(global_step=0, best_model_checkpoint=None)
-        self._checkpoint_staging_dir = None
-
-    def _get_output_dir(self, trial):
-        return self._checkpoint_staging_dir or self.args.output_dir
-
-    def save(self, step, payload=1.0, interrupt_after_optimizer=False):
-        """Save checkpoint ``step`` holding ``payload``; ``interrupt_after_optimizer``: killed mid-write."""
-        self.state.global_step = step
-
-        def write():
-            folder = os.path.join(self._get_output_dir(None), f"checkpoint-{step}")
-            os.makedirs(folder, exist_ok=True)
-            torch.save({"weights": torch.full((64,), payload)}, os.path.join(folder, "optimizer.pt"))
-            if interrupt_after_optimizer:
-                raise KeyboardInterrupt
-            self.state.save_to_json(os.path.join(folder, "trainer_state.json"))
-
-        return save_checkpoint_atomically(self, None, write)
+from a3po_trl.checkpoints import checkpoint_problems, resolve_resume_checkpoint
 
 
 def payload(folder):
