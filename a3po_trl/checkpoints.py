@@ -246,8 +246,9 @@ def _publish_staged(trainer, run_dir: str, staged: str, final: str, files_seen: 
     if problems:
         raise CheckpointError(f"{staged} is not whole after every process wrote it: {'; '.join(problems)}")
     write_manifest(staged, files, trainer.accelerator.num_processes)
-    fsync_directory(staged)
     staging_root = os.path.dirname(staged)
+    for folder in (staged, staging_root, run_dir):  # the entries leading to the staged folder are on disk too
+        fsync_directory(folder)
     _publish(staged, final, os.path.join(staging_root, REPLACED_NAME))
     shutil.rmtree(staging_root, ignore_errors=True)
     fsync_directory(run_dir)
