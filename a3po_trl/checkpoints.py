@@ -181,7 +181,7 @@ def _delete_checkpoint(folder: str) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def rotate_checkpoints(run_dir: str, save_total_limit: int | None, keep: str, best: str | None) -> list[str]:
+def rotate_checkpoints_by_step(run_dir: str, save_total_limit: int | None, keep: str, best: str | None) -> list[str]:
     """Delete old checkpoints beyond ``save_total_limit``, oldest step first, incomplete ones (older than ``keep``, the
     checkpoint just written) before any complete one; ``keep`` and ``best`` are never deleted. Returns the deleted.
 
@@ -252,7 +252,7 @@ def _publish_staged(trainer, run_dir: str, staged: str, final: str, files_seen: 
     _publish(staged, final, os.path.join(staging_root, REPLACED_NAME))
     shutil.rmtree(staging_root, ignore_errors=True)
     fsync_directory(run_dir)
-    rotate_checkpoints(run_dir, args.save_total_limit, keep=final, best=state.best_model_checkpoint)
+    rotate_checkpoints_by_step(run_dir, args.save_total_limit, keep=final, best=state.best_model_checkpoint)
 
 
 def save_checkpoint_atomically(trainer, trial, write: Callable[[], None]) -> str:
