@@ -1,6 +1,7 @@
 """Trainer-level helpers shared by the test files and the ``accelerate launch`` scripts in ``tests/scripts/``: the
 settings the trainer tests share, building an ``AsyncA3POTrainer`` on the tiny model, reading its log history and its
-generator's weights, simulating a crash after a checkpoint. No test file imports another ``test_*.py`` file; what
+generator's weights, simulating a crash after a checkpoint, and a stand-in trainer for the checkpoint code (no
+model). No test file imports another ``test_*.py`` file; what
 two of them use lives here or in ``tiny.py`` (as TRL keeps its shared test helpers in ``tests/testing_utils.py``).
 
 A module of its own rather than more of ``tiny.py``: ``tiny.py`` holds *what* is trained (offline tokenizers, random
