@@ -5,103 +5,96 @@ state), so a Ctrl-C or a SIGTERM during the write leaves a folder with the final
 ``resume_from_checkpoint=True`` (``get_last_checkpoint``: the highest ``checkpoint-N``) picks it and fails. Here:
 
 - :func:`save_checkpoint_atomically` lets transformers (and the trainer's own additions, such as the generator's kept
-  versions) write into ``tmp-checkpoint-N/checkpoint-N``, waits for every process to finish writing, flushes the
-  files to disk, and only then renames the folder to ``checkpoint-N`` (one rename, on the process that saves), before
-  transformers' rotation (``save_total_limit``) runs on the real folders. ``get_last_checkpoint``'s pattern ignores
-  ``tmp-checkpoint-*``, so an interrupted write is invisible to any resume, this trainer's or transformers'.
-- :func:`resolve_resume_checkpoint` resolves ``resume_from_checkpoint=True`` to the newest checkpoint that is
-  complete (:func:`checkpoint_problems`: checkpoints written in place by other trainers or versions, copied by hand,
-  or cut by a full disk may still be partial), warns naming each newer one it skips, and decides on the main process
-  so that every process resumes from the same one.
+  versions) write into ``tmp-checkpoint-N/checkpoint-N``; each process flushes the files it sees to disk; once every
+  process has written its part, the saving process writes the manifest (every file and its size,
+  :mod:`a3po_trl.checkpoint_files`) and renames the folder to ``checkpoint-N``. An existing ``checkpoint-N`` (the same
+  step saved again) is moved aside only then, so some complete copy of step N exists at every moment. Rotation
+  (``save_total_limit``) then deletes by step, incomplete folders first, each renamed out of the way before it is
+  deleted. ``get_last_checkpoint``'s pattern ignores ``tmp-checkpoint-*``.
+- An interrupted save is finished or cleaned up later (:func:`finish_interrupted_saves`): a staged folder with a
+  valid manifest was written whole and only missed its rename, so it gets its name (never deleted); anything else
+  under ``tmp-checkpoint-*`` is deleted by the next save.
+- :func:`resolve_resume_checkpoint` resolves ``resume_from_checkpoint=True`` to the newest complete checkpoint, warning
+  for each newer incomplete one it skips, and raises, naming every candidate and why it was skipped, when none is
+  complete.
+
+Every step that can fail on one process (a file that vanishes, a full disk, a failed rename) is caught there and
+shared with the others, so all processes raise together instead of some waiting forever in a collective.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 import shutil
-import struct
-import zipfile
 from collections.abc import Callable
 
-from accelerate.utils import broadcast_object_list
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from accelerate.utils import broadcast_object_list, gather_object
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
+
+from .checkpoint_files import (
+    STAGING_PREFIX,
+    TRAINER_STATE_NAME,
+    checkpoint_filesystem_problem,
+    checkpoint_problems,
+    fsync_directory,
+    fsync_files,
+    list_checkpoint_files,
+    whole_with_manifest,
+    write_manifest,
+)
 
 logger = logging.getLogger(__name__)
 
-STAGING_PREFIX = f"tmp-{PREFIX_CHECKPOINT_DIR}"
-"""Prefix of the folders checkpoints are written into before their rename (never matched by
-``get_last_checkpoint``)."""
-TRAINER_STATE_NAME = "trainer_state.json"
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
-_TORCH_SUFFIXES = (".pt", ".pth", ".bin")
-_ZIP_MAGIC = b"PK\x03\x04"
+_STAGING = re.compile(rf"^{STAGING_PREFIX}-(\d+)$")
+REPLACED_NAME = "replaced"
+"""``tmp-checkpoint-N/replaced``: the earlier copy of ``checkpoint-N``, moved aside for the new one."""
+DELETING_SUFFIX = "-deleting"
+"""``tmp-checkpoint-N-deleting``: a rotated checkpoint being deleted."""
 
 
-# ---- what a complete checkpoint is --------------------------------------------------------------------------------
-def _safetensors_problem(path: str) -> str | None:
-    """Why a safetensors file is cut short, from its header (the byte ranges of its tensors), or None."""
-    size = os.path.getsize(path)
-    try:
-        with open(path, "rb") as file:
-            (header_length,) = struct.unpack("<Q", file.read(8))
-            if header_length > size - 8:
-                return "truncated (header longer than the file)"
-            header = json.loads(file.read(header_length))
-    except (struct.error, ValueError, UnicodeDecodeError):
-        return "unreadable header"
-    ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
-    if 8 + header_length + max(ends, default=0) > size:
-        return "truncated (its tensors end past the end of the file)"
-    return None
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or resumed from, on this process or another one."""
 
 
-def _torch_file_problem(path: str) -> str | None:
-    """Why a ``torch.save`` file is cut short, or None. Since PyTorch 1.6 these are zip archives whose directory is at
-    their end, so a cut file has none; files in the legacy format cannot be checked without loading them."""
-    if os.path.getsize(path) == 0:
-        return "empty"
-    with open(path, "rb") as file:
-        if file.read(4) != _ZIP_MAGIC:
-            return None
-    try:
-        with zipfile.ZipFile(path):
-            return None
-    except (zipfile.BadZipFile, OSError):
-        return "truncated (no zip directory at its end)"
-
-
-def checkpoint_problems(folder: str) -> list[str]:
-    """Why ``folder`` cannot be resumed from; empty if it is complete.
-
-    Complete means: ``trainer_state.json`` (which transformers writes after the model, optimizer, scheduler and RNG
-    states) is present and parses, and no file it loads is cut short: every ``torch.save`` file (``optimizer.pt``,
-    ``scheduler.pt``, RNG states, DeepSpeed shards) has its zip directory, every safetensors file holds the bytes its
-    header promises. Reads only headers and zip directories, not the tensors.
-    """
-    problems = []
-    state = os.path.join(folder, TRAINER_STATE_NAME)
-    if not os.path.isfile(state):
-        problems.append(f"{TRAINER_STATE_NAME} is missing")
+# ---- deciding together --------------------------------------------------------------------------------------------
+def _raise_together(accelerator, error: BaseException | None, what: str) -> None:
+    """Tell every process whether ``what`` failed on this one; every process raises if it failed on any (a process's
+    own error with its traceback, the others a :class:`CheckpointError` naming it). A collective: call on all."""
+    mine = f"{type(error).__name__}: {error}" if error is not None else None
+    if accelerator.num_processes > 1:
+        everyone = gather_object([(accelerator.process_index, mine)])
     else:
+        everyone = [(accelerator.process_index, mine)]
+    if error is not None:
+        raise error
+    failures = [f"on process {index}: {message}" for index, message in everyone if message is not None]
+    if failures:
+        raise CheckpointError(f"{what} failed {'; '.join(failures)}")
+
+
+def _decide_on_main(accelerator, decide: Callable[[], object], what: str):
+    """``decide()`` on the main process, its result on every process; if it raised, every process raises."""
+    error, outcome = None, [None, None]
+    if accelerator.is_main_process:
         try:
-            with open(state) as file:
-                json.load(file)
-        except (ValueError, UnicodeDecodeError):
-            problems.append(f"{TRAINER_STATE_NAME} is not valid JSON")
-    for root, _, files in os.walk(folder):
-        for name in sorted(files):
-            path = os.path.join(root, name)
-            problem = None
-            if name.endswith(".safetensors"):
-                problem = _safetensors_problem(path)
-            elif name.endswith(_TORCH_SUFFIXES):
-                problem = _torch_file_problem(path)
-            if problem:
-                problems.append(f"{os.path.relpath(path, folder)} is {problem}")
-    return problems
+            outcome = [decide(), None]
+        except Exception as caught:  # noqa: BLE001 - re-raised below, after the others were told
+            error, outcome = caught, [None, f"{type(caught).__name__}: {caught}"]
+    if accelerator.num_processes > 1:
+        outcome = broadcast_object_list(outcome, from_process=0)
+    if error is not None:
+        raise error
+    if outcome[1] is not None:
+        raise CheckpointError(f"{what} failed on the main process: {outcome[1]}")
+    return outcome[0]
+
+
+# ---- which checkpoints there are -----------------------------------------------------------------------------------
+def _step(folder: str) -> int:
+    return int(folder.rsplit("-", 1)[1])
 
 
 def checkpoints_newest_first(output_dir: str) -> list[str]:
@@ -110,10 +103,9 @@ def checkpoints_newest_first(output_dir: str) -> list[str]:
         return []
     found = []
     for name in os.listdir(output_dir):
-        match = _CHECKPOINT.match(name)
-        if match and os.path.isdir(os.path.join(output_dir, name)):
-            found.append((int(match.group(1)), os.path.join(output_dir, name)))
-    return [path for _, path in sorted(found, reverse=True)]
+        if _CHECKPOINT.match(name) and os.path.isdir(os.path.join(output_dir, name)):
+            found.append(os.path.join(output_dir, name))
+    return sorted(found, key=_step, reverse=True)
 
 
 def newest_complete_checkpoint(output_dir: str) -> tuple[str | None, list[tuple[str, list[str]]]]:
@@ -127,100 +119,140 @@ def newest_complete_checkpoint(output_dir: str) -> tuple[str | None, list[tuple[
     return None, skipped
 
 
-def _interrupted_writes(output_dir: str) -> list[str]:
-    if not os.path.isdir(output_dir):
+def _leftovers(run_dir: str) -> list[str]:
+    """Names of the ``tmp-checkpoint-*`` entries of ``run_dir``: interrupted saves, replacements and deletions."""
+    if not os.path.isdir(run_dir):
         return []
-    return sorted(name for name in os.listdir(output_dir) if name.startswith(STAGING_PREFIX))
+    return sorted(name for name in os.listdir(run_dir) if name.startswith(STAGING_PREFIX))
 
 
-def _decide_resume(output_dir: str) -> tuple[str | bool | None, list[str]]:
-    """What ``resume_from_checkpoint=True`` means in ``output_dir``, and the warnings to give."""
-    chosen, skipped = newest_complete_checkpoint(output_dir)
-    warnings = [
-        f"resume_from_checkpoint=True skips {folder}: it is incomplete ({'; '.join(problems)}), probably from an "
-        "interrupted save."
-        for folder, problems in skipped
-    ]
-    interrupted = _interrupted_writes(output_dir)
-    if chosen is not None:
-        if skipped:
-            warnings.append(f"Resuming from {chosen}, the newest complete checkpoint.")
-        return chosen, warnings
-    if skipped or interrupted:
-        warnings.append(
-            f"resume_from_checkpoint=True found no complete checkpoint in {output_dir} (interrupted writes: "
-            f"{[os.path.basename(folder) for folder, _ in skipped] + interrupted}): training starts from the "
-            "beginning."
-        )
-        return None, warnings
-    return True, warnings  # nothing at all: transformers raises its own "no valid checkpoint" error
-
-
-def resolve_resume_checkpoint(trainer, requested):
-    """``train()``'s ``resume_from_checkpoint`` as it should reach transformers.
-
-    ``True`` becomes the newest complete checkpoint of ``output_dir`` (with a warning naming each newer, incomplete
-    one it skips), ``None`` when only interrupted writes are there (training starts from the beginning, with a
-    warning), or stays ``True`` when there is no checkpoint at all (transformers then says so). The main process
-    decides and tells the others, so every process resumes from the same checkpoint even if their views of the
-    filesystem differ. A path is checked and refused, with its problems and the fix, if it is incomplete.
-    """
-    if isinstance(requested, bool) and requested:
-        accelerator = trainer.accelerator
-        decision = [None, []]
-        if accelerator.is_main_process:
-            decision = list(_decide_resume(trainer.args.output_dir))
-        if accelerator.num_processes > 1:
-            decision = broadcast_object_list(decision, from_process=0)
-        chosen, warnings = decision
-        if accelerator.is_main_process:
-            for warning in warnings:
-                logger.warning(warning)
-        return chosen
-    if isinstance(requested, (str, os.PathLike)) and os.path.isdir(requested):
-        problems = checkpoint_problems(str(requested))
-        if problems:
-            newest, _ = newest_complete_checkpoint(os.path.dirname(os.path.abspath(requested)))
-            alternative = f"the newest complete one is {newest}; " if newest else ""
-            raise ValueError(
-                f"resume_from_checkpoint={str(requested)!r} is an incomplete checkpoint ({'; '.join(problems)}), "
-                f"probably from an interrupted save. Resume from another one: {alternative}"
-                "resume_from_checkpoint=True picks the newest complete one."
-            )
-    return requested
-
-
-# ---- writing whole checkpoints --------------------------------------------------------------------------------------
-def _fsync_tree(folder: str) -> None:
-    """Flush every file of ``folder`` and the folders themselves to disk, so the rename publishes written data even
-    across a machine crash (a process killed after the rename needs nothing more: the data is in the page cache)."""
-    for root, _, files in os.walk(folder):
-        for name in files:
-            descriptor = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(descriptor)
-            finally:
-                os.close(descriptor)
-        _fsync_directory(root)
-
-
-def _fsync_directory(folder: str) -> None:
+# ---- publishing, finishing and deleting ---------------------------------------------------------------------------
+def _publish(staged: str, final: str, replaced: str) -> None:
+    """Give the whole folder ``staged`` the name ``final``. An existing ``final`` (the same step saved again) is
+    moved to ``replaced`` only now, so some complete copy of the step has a name at every moment: ``final``, or
+    ``staged`` and ``replaced`` together, which :func:`finish_interrupted_saves` resolves."""
     try:
-        descriptor = os.open(folder, os.O_RDONLY)
-    except OSError:  # platforms that cannot open directories (Windows)
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:
+        os.rename(final, replaced)
+    except FileNotFoundError:  # no earlier copy, or another saving process (save_on_each_node) moved it
         pass
-    finally:
-        os.close(descriptor)
+    try:
+        os.rename(staged, final)
+    except OSError:
+        if not (os.path.isdir(final) and not os.path.exists(staged)):  # not renamed by another saving process
+            raise
 
 
-def _remove_interrupted_writes(run_dir: str) -> None:
-    """Delete the staging folders of earlier, interrupted saves (saves are sequential: none is in progress)."""
-    for name in _interrupted_writes(run_dir):
-        shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+def finish_interrupted_saves(run_dir: str, delete_the_rest: bool) -> list[str]:
+    """Resolve the leftovers of saves interrupted in ``run_dir``; returns what was done, for the log.
+
+    A ``tmp-checkpoint-N/checkpoint-N`` whose manifest checks out was written whole and only missed its rename: it
+    becomes ``checkpoint-N`` (replacing the earlier copy, as the interrupted save would have). An earlier copy moved
+    aside (``tmp-checkpoint-N/replaced``) whose replacement is gone gets its name back. With ``delete_the_rest``,
+    every other ``tmp-checkpoint-*`` entry (writes cut short, copies already replaced, half-deleted rotations) is
+    deleted: saves run one at a time, so none of them is in progress.
+    """
+    done = []
+    for name in _leftovers(run_dir):
+        path = os.path.join(run_dir, name)
+        match = _STAGING.match(name)
+        if match:
+            final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{match.group(1)}")
+            staged, replaced = os.path.join(path, os.path.basename(final)), os.path.join(path, REPLACED_NAME)
+            if os.path.isdir(staged) and whole_with_manifest(staged):
+                _publish(staged, final, replaced)
+                done.append(f"finished the interrupted save of {final} (written whole, not yet renamed)")
+            elif not os.path.isdir(final) and os.path.isdir(replaced) and not checkpoint_problems(replaced):
+                os.rename(replaced, final)
+                done.append(f"restored {final}, whose replacement was never written whole")
+        if delete_the_rest:
+            shutil.rmtree(path, ignore_errors=True)
+            done.append(f"deleted {path}")
+    return done
+
+
+def _delete_checkpoint(folder: str) -> None:
+    """Delete a checkpoint folder, renaming it out of ``checkpoint-N`` first: a kill during the deletion leaves a
+    ``tmp-checkpoint-N-deleting`` folder (deleted by the next save), never a half-deleted ``checkpoint-N``."""
+    doomed = os.path.join(os.path.dirname(folder), f"{STAGING_PREFIX}-{_step(folder)}{DELETING_SUFFIX}")
+    try:
+        os.rename(folder, doomed)
+    except OSError:
+        doomed = folder
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def rotate_checkpoints_by_step(run_dir: str, save_total_limit: int | None, keep: str, best: str | None) -> list[str]:
+    """Delete old checkpoints beyond ``save_total_limit``, oldest step first, incomplete ones (older than ``keep``, the
+    checkpoint just written) before any complete one; ``keep`` and ``best`` are never deleted. Returns the deleted.
+
+    transformers orders by modification time; deleting files touches a folder, so a half-deleted folder would look
+    newest and a complete one be deleted instead. Steps order checkpoints as a resume does."""
+    if not save_total_limit or save_total_limit <= 0:
+        return []
+    checkpoints = sort_checkpoints(run_dir, use_mtime=False)  # oldest step first
+    protected = {os.path.abspath(path) for path in (keep, best) if path}
+    candidates = [path for path in checkpoints if os.path.abspath(path) not in protected]
+    incomplete = [path for path in candidates if _step(path) < _step(keep) and checkpoint_problems(path)]
+    order = incomplete + [path for path in candidates if path not in incomplete]
+    excess = len(checkpoints) - max(save_total_limit, len(checkpoints) - len(candidates))
+    deleted = order[: max(excess, 0)]
+    for path in deleted:
+        _delete_checkpoint(path)
+    return deleted
+
+
+# ---- writing a checkpoint -------------------------------------------------------------------------------------------
+def _prepare(trainer, run_dir: str, staging_root: str) -> None:
+    """On a saving process: check the filesystem (first save only), resolve earlier interrupted saves, and create
+    the staging folder."""
+    checked = trainer.__dict__.setdefault("_checkpoint_filesystems_checked", set())
+    if run_dir not in checked:
+        os.makedirs(run_dir, exist_ok=True)
+        problem = checkpoint_filesystem_problem(run_dir)
+        if problem:
+            raise CheckpointError(problem)
+        checked.add(run_dir)
+    for action in finish_interrupted_saves(run_dir, delete_the_rest=True):
+        logger.info("Checkpoints: %s.", action)
+    os.makedirs(staging_root, exist_ok=True)
+
+
+def _flush_own_files(staged: str) -> tuple[list[str], list[str]]:
+    """On every process after its write: flush what it sees of the staged folder to disk (its own files among
+    them); returns ``(files seen, problems)``."""
+    try:
+        seen = list(list_checkpoint_files(staged)) if os.path.isdir(staged) else []
+    except OSError as error:
+        return [], [f"{staged} cannot be listed ({error})"]
+    return seen, fsync_files(staged) if os.path.isdir(staged) else []
+
+
+def _publish_staged(trainer, run_dir: str, staged: str, final: str, files_seen: list[list[str]]) -> None:
+    """On a saving process, once every process has written and flushed its files: the manifest, the rename, the
+    rotation."""
+    args, state = trainer.args, trainer.state
+    if state.best_model_checkpoint == staged:  # transformers recorded the staging path: the final one
+        state.best_model_checkpoint = final
+        state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
+    files = list_checkpoint_files(staged)
+    if not args.save_on_each_node:  # one copy, on a disk every process shares: every process's files are in it
+        unseen = sorted({name for seen in files_seen for name in seen} - set(files))
+        if unseen:
+            raise CheckpointError(
+                f"Files other processes wrote into {staged} are not visible to the saving process ({unseen[:5]}): "
+                "output_dir must be on a filesystem every process shares, or set save_on_each_node=True."
+            )
+    problems = checkpoint_problems(staged)
+    if problems:
+        raise CheckpointError(f"{staged} is not whole after every process wrote it: {'; '.join(problems)}")
+    write_manifest(staged, files, trainer.accelerator.num_processes)
+    staging_root = os.path.dirname(staged)
+    for folder in (staged, staging_root, run_dir):  # the entries leading to the staged folder are on disk too
+        fsync_directory(folder)
+    _publish(staged, final, os.path.join(staging_root, REPLACED_NAME))
+    shutil.rmtree(staging_root, ignore_errors=True)
+    fsync_directory(run_dir)
+    rotate_checkpoints_by_step(run_dir, args.save_total_limit, keep=final, best=state.best_model_checkpoint)
 
 
 def save_checkpoint_atomically(trainer, trial, write: Callable[[], None]) -> str:
@@ -229,7 +261,8 @@ def save_checkpoint_atomically(trainer, trial, write: Callable[[], None]) -> str
 
     ``write`` runs while ``trainer._checkpoint_staging_dir`` is set: the trainer's ``_get_output_dir`` returns it,
     so transformers writes ``<staging>/checkpoint-N``. Pushing to the Hub is held back until the rename (it uploads
-    in the background from the folder's path). Returns the final folder.
+    in the background from the folder's path). Returns the final folder. A failure on any process (the filesystem,
+    a write, a flush, the rename) raises on every process, and leaves every complete checkpoint in place.
     """
     args, accelerator = trainer.args, trainer.accelerator
     run_dir = trainer._get_output_dir(trial=trial)
@@ -237,46 +270,106 @@ def save_checkpoint_atomically(trainer, trial, write: Callable[[], None]) -> str
     final = os.path.join(run_dir, folder_name)
     staging_root = os.path.join(run_dir, f"{STAGING_PREFIX}-{trainer.state.global_step}")
     staged = os.path.join(staging_root, folder_name)
+
+    error = None
     if args.should_save:
-        _remove_interrupted_writes(run_dir)
-        if os.path.isdir(final):  # the same step saved again (a run resumed from an earlier one): replace it whole
-            replaced = f"{staging_root}-replaced"
-            try:
-                os.rename(final, replaced)
-            except FileNotFoundError:  # another saving process (save_on_each_node on a shared disk) moved it
-                pass
-            shutil.rmtree(replaced, ignore_errors=True)
-        os.makedirs(staging_root, exist_ok=True)
-    accelerator.wait_for_everyone()
+        try:
+            _prepare(trainer, run_dir, staging_root)
+        except Exception as caught:  # noqa: BLE001 - raised on every process by _raise_together
+            error = caught
+    _raise_together(accelerator, error, f"Preparing {final}")
 
     push_to_hub, args.push_to_hub = args.push_to_hub, False
     trainer._checkpoint_staging_dir = staging_root
+    error, seen = None, []
     try:
         write()
+        seen, problems = _flush_own_files(staged)
+        if problems:
+            error = CheckpointError(f"Writing {final}: {'; '.join(problems)}")
+    except Exception as caught:  # noqa: BLE001 - raised on every process by _raise_together
+        error = caught
     finally:
         trainer._checkpoint_staging_dir = None
         args.push_to_hub = push_to_hub
-    accelerator.wait_for_everyone()  # every process's files (RNG states, DeepSpeed shards) are in the staging folder
+    files_seen = gather_object([seen]) if accelerator.num_processes > 1 else [seen]
+    _raise_together(accelerator, error, f"Writing {final}")
 
+    error = None
     if args.should_save:
-        if trainer.state.best_model_checkpoint == staged:  # transformers recorded the staging path: the final one
-            trainer.state.best_model_checkpoint = final
-            trainer.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
-        _fsync_tree(staged)
         try:
-            os.rename(staged, final)
-        except OSError:
-            if not (os.path.isdir(final) and not os.path.exists(staged)):  # not renamed by another saving process
-                raise
-        shutil.rmtree(staging_root, ignore_errors=True)
-        _fsync_directory(run_dir)
-        rotate_checkpoints(
-            output_dir=run_dir,
-            save_total_limit=args.save_total_limit,
-            best_model_checkpoint=trainer.state.best_model_checkpoint,
-            use_mtime=True,
-        )
-    accelerator.wait_for_everyone()
+            _publish_staged(trainer, run_dir, staged, final, files_seen)
+        except Exception as caught:  # noqa: BLE001 - raised on every process by _raise_together
+            error = caught
+    _raise_together(accelerator, error, f"Publishing {final}")
     if push_to_hub:
         trainer._push_from_checkpoint(final)
     return final
+
+
+# ---- resuming -----------------------------------------------------------------------------------------------------
+def _resume_decision(output_dir: str) -> tuple[str | None, list[str]]:
+    """What ``resume_from_checkpoint=True`` means in ``output_dir``: ``(checkpoint, warnings)``, or ``(None, [why
+    there is none])``. Finishes saves that were written whole but interrupted before their rename first."""
+    for action in finish_interrupted_saves(output_dir, delete_the_rest=False):
+        logger.warning("resume_from_checkpoint=True %s.", action)
+    chosen, skipped = newest_complete_checkpoint(output_dir)
+    reasons = [f"{os.path.basename(folder)} is incomplete ({'; '.join(problems)})" for folder, problems in skipped]
+    if chosen is not None:
+        warnings = [
+            f"resume_from_checkpoint=True skips {output_dir}/{reason}, probably from an interrupted save."
+            for reason in reasons
+        ]
+        if skipped:
+            warnings.append(f"Resuming from {chosen}, the newest complete checkpoint.")
+        return chosen, warnings
+    reasons += [f"{name} is an interrupted save (never written whole)" for name in _leftovers(output_dir)]
+    found = "; ".join(reasons) if reasons else "it holds no checkpoint-N folder"
+    return None, [
+        f"No valid checkpoint found in output directory ({output_dir}) for resume_from_checkpoint=True: {found}. "
+        "Resume from a complete checkpoint's path, or start from the beginning without resume_from_checkpoint (the "
+        "next save deletes interrupted saves)."
+    ]
+
+
+def _explicit_path_problem(path: str) -> str | None:
+    if not os.path.isdir(path):
+        return None  # transformers says it cannot find it
+    problems = checkpoint_problems(path)
+    if not problems:
+        return None
+    newest, _ = newest_complete_checkpoint(os.path.dirname(os.path.abspath(path)))
+    alternative = f"the newest complete one is {newest}; " if newest else ""
+    return (
+        f"resume_from_checkpoint={path!r} is an incomplete checkpoint ({'; '.join(problems)}), probably from an "
+        f"interrupted save. Resume from another one: {alternative}resume_from_checkpoint=True picks the newest "
+        "complete one."
+    )
+
+
+def resolve_resume_checkpoint(trainer, requested):
+    """``train()``'s ``resume_from_checkpoint`` as it should reach transformers.
+
+    ``True`` becomes the newest complete checkpoint of ``output_dir``, with a warning naming each newer, incomplete
+    one it skips; when none is complete it raises, naming every candidate and why it was skipped. A path (``str`` or
+    ``os.PathLike``) becomes a ``str``, refused with its problems and the fix if it is incomplete. The main process
+    decides, once, and tells the others: every process resumes from the same checkpoint, or raises, together.
+    """
+    accelerator = trainer.accelerator
+    if isinstance(requested, bool) and requested:
+        chosen, messages = _decide_on_main(
+            accelerator, lambda: _resume_decision(trainer.args.output_dir), "Choosing the checkpoint to resume from"
+        )
+        if chosen is None:
+            raise ValueError(messages[0])
+        if accelerator.is_main_process:
+            for message in messages:
+                logger.warning(message)
+        return chosen
+    if isinstance(requested, (str, os.PathLike)):
+        path = os.fspath(requested)
+        problem = _decide_on_main(accelerator, lambda: _explicit_path_problem(path), f"Checking {path}")
+        if problem:
+            raise ValueError(problem)
+        return path
+    return requested

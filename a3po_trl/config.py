@@ -167,10 +167,11 @@ class AsyncA3POConfig(GRPOConfig):
             batch: waiting for the staleness bound or for queue room, weight loads, generation, behavior log-probs,
             rewards, tool calls; each optimizer step: waiting for a batch, forward/backward, the recompute forward,
             the optimizer step, weight publication) and write them as a Chrome trace to
-            `output_dir/timeline/trace-rank{k}.json` (one per process; open it in Perfetto or `chrome://tracing`) at
-            every checkpoint and at the end of `train()`. `trainer.save_timeline()` draws the last steps as a PNG.
-            Memory is bounded (the newest 50,000 spans) and the cost is a few microseconds per span, about 20 spans
-            per optimizer step.
+            `output_dir/timeline/trace-rank{k}.json` (one per process, `trace-rank{k}-run{r}.json` for a later run
+            in the same folder; open it in Perfetto or `chrome://tracing`) at every checkpoint and at the end of
+            `train()`, best effort (a failed write is a warning). `trainer.save_timeline()` draws the last steps as a
+            PNG. Memory is bounded (the newest 50,000 spans) and the cost is about 2 microseconds per span, about 12
+            spans per optimizer step.
     """
 
     prox_logp_method: str = field(

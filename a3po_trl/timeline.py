@@ -110,16 +110,15 @@ class TimelineRecorder:
 
     def chrome_trace(self, process_index: int = 0) -> dict:
         """The kept spans as a Chrome trace: complete events (``ph: "X"``, ``ts``/``dur`` in microseconds since
-        ``origin``) with ``pid`` = ``process_index`` and one ``tid`` per lane, plus the process and thread names."""
+        ``origin``) with ``pid`` = :func:`trace_pid` and one ``tid`` per lane, plus the process and thread names."""
+        pid = trace_pid(process_index)
         events: list[dict] = [
-            {"name": "process_name", "ph": "M", "pid": process_index, "args": {"name": f"process {process_index}"}}
+            {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"process {process_index}"}}
         ]
         for tid, thread_name in LANES.values():
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": thread_name}})
             events.append(
-                {"name": "thread_name", "ph": "M", "pid": process_index, "tid": tid, "args": {"name": thread_name}}
-            )
-            events.append(
-                {"name": "thread_sort_index", "ph": "M", "pid": process_index, "tid": tid, "args": {"sort_index": tid}}
+                {"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}}
             )
         spans = sorted(self.spans(), key=lambda span: (span.start, -span.end))  # parents before their children
         for span in spans:
@@ -130,7 +129,7 @@ class TimelineRecorder:
                     "ph": "X",
                     "ts": round((span.start - self.origin) * 1e6, 3),
                     "dur": round(max(span.end - span.start, 0.0) * 1e6, 3),
-                    "pid": process_index,
+                    "pid": pid,
                     "tid": LANES[span.lane][0],
                     "args": span.args,
                 }
@@ -160,9 +159,26 @@ class TimelineRecorder:
         return path
 
 
-def trace_path(output_dir: str, process_index: int) -> str:
-    """Where the trainer writes the trace of process ``process_index``: ``output_dir/timeline/trace-rank{k}.json``."""
-    return os.path.join(output_dir, "timeline", f"trace-rank{process_index}.json")
+def trace_pid(process_index: int) -> int:
+    """The Chrome trace ``pid`` of process ``process_index``: ``process_index + 1``, since viewers treat pid 0 as
+    the idle process (Perfetto draws it apart, or not at all)."""
+    return process_index + 1
+
+
+def trace_path(output_dir: str, process_index: int, run: int = 1) -> str:
+    """The trace of process ``process_index`` for the ``run``-th run in ``output_dir``:
+    ``output_dir/timeline/trace-rank{k}.json`` for the first, ``trace-rank{k}-run{r}.json`` after it."""
+    suffix = "" if run == 1 else f"-run{run}"
+    return os.path.join(output_dir, "timeline", f"trace-rank{process_index}{suffix}.json")
+
+
+def new_trace_path(output_dir: str, process_index: int) -> str:
+    """The trace file of a run starting now: the first :func:`trace_path` that does not exist yet, so a resumed run
+    keeps the trace of the run it resumes."""
+    run = 1
+    while os.path.exists(trace_path(output_dir, process_index, run)):
+        run += 1
+    return trace_path(output_dir, process_index, run)
 
 
 # ---- the open batch span of the calling thread ---------------------------------------------------------------------

@@ -8,9 +8,12 @@ What changes relative to `GRPOTrainer`, and where:
 - ``compute_loss`` computes per-token staleness, the proximal log-probs (A-3PO interpolation, or a forward pass),
   and the decoupled form of the configured loss (:mod:`a3po_trl.losses`).
 - A callback publishes the weights to the generator after every optimizer step.
-- ``train`` starts the engine lazily and always stops and joins its thread.
+- ``train`` starts the engine lazily and always stops and joins its thread; it raises the generation thread's error
+  even when the thread failed after the last batch the trainer took, and refuses to run while the thread of an
+  earlier call is still alive (it shares the generation backend).
 - Both threads record their spans on a timeline (:mod:`a3po_trl.timeline`), written to
-  ``output_dir/timeline/trace-rank{k}.json`` at every checkpoint and when ``train`` ends; ``save_timeline`` draws it.
+  ``output_dir/timeline/trace-rank{k}.json`` (``-run{r}`` for a later run there) at every checkpoint and when
+  ``train`` ends, on a best-effort basis; ``save_timeline`` draws it.
 - Checkpoints are written into a staging folder and renamed when whole, and ``resume_from_checkpoint=True`` resumes
   from the newest complete one (:mod:`a3po_trl.checkpoints`).
 
@@ -56,7 +59,7 @@ from .rollout import run_rollout
 from .rollout.custom import generate_completions
 from .rollout.prompt_batches import repeated_prompt_batches
 from .rollout.scoring import score_with_reward_model, warn_about_unscorable_rows
-from .timeline import TRAINING_LANE, TimelineRecorder, TrainingStepTimeline, trace_path
+from .timeline import TRAINING_LANE, TimelineRecorder, TrainingStepTimeline, new_trace_path
 from .validation import check_supported, check_train_dataset, check_trainer
 
 logger = logging.getLogger(__name__)
@@ -152,6 +155,9 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         self._weight_sync_seconds = 0.0
         self._resume_checkpoint = None
         self._checkpoint_staging_dir: str | None = None
+        self._trace_file: tuple[str, str] | None = None
+        """(output_dir, the trace file this trainer writes in it)."""
+        self._trace_write_warnings: set[str] = set()
         self.timeline = TimelineRecorder(enabled=args.timeline)
         """The spans of both threads (see :mod:`a3po_trl.timeline`), kept across `train()` calls."""
         self._step_timeline = TrainingStepTimeline(self.timeline)
@@ -179,8 +185,24 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         self._steps_in_epoch = values[5]
         return values
 
+    def _generation_thread_left_behind(self) -> bool:
+        """Whether the generation thread of an earlier ``train()`` call outlived its stop and is still running."""
+        engine = self.last_generation_engine
+        return engine is not None and engine.thread is not None and engine.thread.is_alive()
+
+    def _refuse_a_second_generation_thread(self, alive_somewhere: bool) -> None:
+        if alive_somewhere:
+            raise RuntimeError(
+                "The generation thread of an earlier train() call on this trainer is still running (it did not stop "
+                f"within generation_stop_timeout={self.args.generation_stop_timeout} s: stuck in a reward function, "
+                "a tool or generate) and shares this trainer's generation backend, so this trainer cannot train "
+                "again in this process. Restart the process and resume with resume_from_checkpoint=True, or find "
+                "what blocks the thread (its stack: faulthandler.dump_traceback())."
+            )
+
     def _start_engine(self):
         args = self.args
+        self._refuse_a_second_generation_thread(self._generation_thread_left_behind())
         if self._backend is None:
             self._backend = self._build_backend()
             weakref.finalize(self, self._backend.close)  # an engine or a server's adapters outlive train() calls
@@ -232,15 +254,26 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         self.last_generation_engine = self._engine
         self._engine.start(self._unwrapped_model(), start_version, self._state_snapshot(), earlier_versions=earlier)
 
-    def _stop_engine(self):
-        if self._engine is not None:
-            engine, self._engine = self._engine, None
-            if not engine.stop(timeout=self.args.generation_stop_timeout):
-                logger.warning(
-                    "The a3po generation thread did not stop within %s s (stuck in a reward function or generate?); "
-                    "it is a daemon thread and is left behind.",
-                    self.args.generation_stop_timeout,
-                )
+    def _stop_engine(self) -> BaseException | None:
+        """Stop and join the generation thread. Returns the thread's exception that no batch request re-raised (it
+        failed after the last batch the trainer took), if any."""
+        if self._engine is None:
+            return None
+        engine, self._engine = self._engine, None
+        if not engine.stop(timeout=self.args.generation_stop_timeout):
+            logger.warning(
+                "The a3po generation thread did not stop within %s s (stuck in a reward function or generate?); "
+                "it is a daemon thread and is left behind, and this trainer refuses to train again while it runs.",
+                self.args.generation_stop_timeout,
+            )
+        unreported = engine.unreported_error()
+        if unreported is None:
+            return None
+        error, after_stop = unreported
+        if after_stop:  # raised while it was being stopped: most likely the stop itself
+            logger.warning("The a3po generation thread raised while it was being stopped: %r", error)
+            return None
+        return error
 
     def _get_output_dir(self, trial):
         # While a checkpoint is written, transformers' save writes into its staging folder (see checkpoints.py).
@@ -282,10 +315,30 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _write_trace(self) -> str | None:
-        """Write this process's timeline to ``output_dir/timeline/trace-rank{k}.json`` (when ``timeline`` is on)."""
-        return self.timeline.write_chrome_trace(
-            trace_path(self.args.output_dir, self.accelerator.process_index), self.accelerator.process_index
-        )
+        """Write this process's timeline (when ``timeline`` is on) to its trace file: the first of
+        ``output_dir/timeline/trace-rank{k}.json``, ``trace-rank{k}-run2.json``, ... that did not exist when this
+        trainer first wrote, so a resumed run keeps the earlier run's trace. Best effort: a failure (a full disk, no
+        permission) is a warning, never an error; the run and its checkpoints matter more than its trace."""
+        if not self.timeline.enabled:
+            return None
+        output_dir, index = self.args.output_dir, self.accelerator.process_index
+        path = None
+        try:
+            if self._trace_file is None or self._trace_file[0] != output_dir:
+                self._trace_file = (output_dir, new_trace_path(output_dir, index))
+            path = self._trace_file[1]
+            return self.timeline.write_chrome_trace(path, index)
+        except Exception as error:  # noqa: BLE001 - best effort, reported
+            message = f"{type(error).__name__}: {error}"
+            if message not in self._trace_write_warnings:  # once per distinct failure, not at every checkpoint
+                self._trace_write_warnings.add(message)
+                logger.warning(
+                    "Could not write the timeline trace %s (%s); training goes on without it. Make "
+                    "output_dir/timeline writable, or set timeline=False.",
+                    path or os.path.join(output_dir, "timeline"),
+                    message,
+                )
+            return None
 
     def save_timeline(self, path: str | None = None, last_steps: int = 20) -> str:
         """Draw the last ``last_steps`` optimizer steps of the timeline as a PNG (needs matplotlib: the ``plots``
@@ -321,16 +374,42 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         self._run_start_step = self._step
         self._buffered_inputs = None
         self._schedule_warned = False
-        resume = resolve_resume_checkpoint(self, kwargs.get("resume_from_checkpoint", args[0] if args else None))
+        try:
+            alive = self._generation_thread_left_behind()
+            if self.accelerator.num_processes > 1:  # every process refuses together
+                alive = any(gather_object([alive]))
+            self._refuse_a_second_generation_thread(alive)
+            resume = resolve_resume_checkpoint(self, kwargs.get("resume_from_checkpoint", args[0] if args else None))
+        except BaseException:
+            torch.set_num_threads(previous_threads)
+            raise
         if args:
             args = (resume, *args[1:])
         else:
             kwargs["resume_from_checkpoint"] = resume
-        self._resume_checkpoint = resume if isinstance(resume, str) else None
+        self._resume_checkpoint = os.fspath(resume) if isinstance(resume, (str, os.PathLike)) else None
         try:
-            return super().train(*args, **kwargs)
+            result = super().train(*args, **kwargs)
+        except BaseException as error:
+            generation_error = self._end_train(previous_threads)
+            if generation_error is not None:  # logged: the error in flight is the one raised
+                logger.error(
+                    "The a3po generation thread failed too, while train() was failing with %r:",
+                    error,
+                    exc_info=(type(generation_error), generation_error, generation_error.__traceback__),
+                )
+            raise
+        generation_error = self._end_train(previous_threads)
+        if generation_error is not None:  # it failed after the last batch the trainer took: nobody saw it yet
+            raise generation_error.with_traceback(generation_error.__traceback__)
+        return result
+
+    def _end_train(self, previous_threads: int) -> BaseException | None:
+        """What ends every ``train()``: stop the generation thread (returning its unreported error), restore the
+        thread count, write the trace. Raises nothing of its own."""
+        try:
+            return self._stop_engine()
         finally:
-            self._stop_engine()
             torch.set_num_threads(previous_threads)
             self._write_trace()
 

@@ -45,7 +45,7 @@ def _bare_sum_score(text: str, answer: str) -> float:
     return 0.5 if numbers and numbers[-1] == answer else 0.0
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--prompts", type=int, default=8)
@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    options = parser.parse_args()
+    options = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

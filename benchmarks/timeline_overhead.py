@@ -1,12 +1,14 @@
 """What recording the timeline costs: per span, per optimizer step, and end to end, timeline on vs off.
 
     python benchmarks/timeline_overhead.py [--steps 12] [--pairs 3] [--out benchmarks/results/timeline_overhead.json]
+    python benchmarks/timeline_overhead.py --smoke      # seconds: every measurement at a tiny size (the test suite's)
 
 Three measurements, reported, never asserted:
 
 - per span: ``TimelineRecorder.record`` (with its lock and the deque append), median over 200,000 calls, on and off;
-- spans per optimizer step, counted in a real run of the benchmark's quick shape (tiny random Llama, 8 completions of
-  up to 16 tokens per step, ``max_staleness=1``), and the time a full trace (50,000 spans) takes to write;
+- spans per optimizer step, counted in a real run of the benchmark's quick shape (the tiny random Llama of
+  :mod:`a3po_trl.tasks.tiny_model`, 8 completions of up to 16 tokens per step, ``max_staleness=1``), and the time a
+  full trace (50,000 spans) takes to write;
 - end to end: the same run with ``timeline=True`` and ``timeline=False``, alternated ``--pairs`` times, median step
   time (the first two steps left out). On a shared 2-core machine this difference is within the noise; the first two
   figures give the bound: spans per step x cost per span / step time.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import sys
@@ -23,7 +26,6 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 
@@ -40,11 +42,12 @@ def per_span_seconds(enabled: bool, calls: int = 200_000) -> float:
     return statistics.median(samples)
 
 
-def trace_write_seconds() -> float:
+def trace_write_seconds(spans: int | None = None) -> float:
+    """Seconds to write a trace of ``spans`` spans (default: a full recorder, ``MAX_SPANS``)."""
     from a3po_trl.timeline import GENERATION_LANE, MAX_SPANS, TimelineRecorder
 
     recorder = TimelineRecorder()
-    for i in range(MAX_SPANS):
+    for i in range(spans or MAX_SPANS):
         recorder.record(GENERATION_LANE, "generation", i, i + 0.5, {"batch": i, "version": i, "staleness": 1})
     with tempfile.TemporaryDirectory() as folder:
         start = time.perf_counter()
@@ -53,50 +56,55 @@ def trace_write_seconds() -> float:
 
 
 def run(timeline: bool, steps: int) -> tuple[float, int]:
-    """Median step time (s) of one run, and the spans it recorded."""
-    from test_trainer import make_trainer
-    from tiny import make_tokenizer
+    """Median step time (s) of one run (the first two steps left out), and the spans it recorded."""
+    from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
+    from a3po_trl.tasks.tiny_model import length_reward, make_byte_tokenizer, make_sum_prompts, make_tiny_llama
 
+    tokenizer = make_byte_tokenizer()
     with tempfile.TemporaryDirectory() as folder:
-        trainer = make_trainer(
-            make_tokenizer(),
-            __import__("pathlib").Path(folder),
+        args = AsyncA3POConfig(
+            output_dir=folder,
+            per_device_train_batch_size=8,
+            num_generations=4,
+            max_completion_length=16,
             max_steps=steps,
             max_staleness=1,
-            per_device_train_batch_size=8,
-            max_completion_length=16,
+            learning_rate=1e-2,
+            logging_steps=1,
+            report_to="none",
+            use_cpu=True,
+            save_strategy="no",
+            seed=0,
             timeline=timeline,
             disable_tqdm=True,
+        )
+        trainer = AsyncA3POTrainer(
+            model=make_tiny_llama(tokenizer),
+            reward_funcs=[length_reward],
+            args=args,
+            train_dataset=make_sum_prompts(16),
+            processing_class=tokenizer,
         )
         trainer.train()
         times = [h["step_time"] for h in trainer.state.log_history if "step_time" in h][2:]
         return statistics.median(times), len(trainer.timeline.spans())
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--pairs", type=int, default=3)
-    parser.add_argument("--out", default=None, help="JSON file for the results")
-    options = parser.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import logging
-
-    logging.disable(logging.WARNING)
+def measure(calls: int, trace_spans: int, steps: int, pairs: int) -> dict:
+    """The three measurements (see the module's docstring)."""
     results = {
         "load_average_before": os.getloadavg(),
-        "record_seconds_on": per_span_seconds(True),
-        "record_seconds_off": per_span_seconds(False),
-        "trace_write_seconds_50k_spans": trace_write_seconds(),
+        "record_seconds_on": per_span_seconds(True, calls),
+        "record_seconds_off": per_span_seconds(False, calls),
+        f"trace_write_seconds_{trace_spans // 1000}k_spans": trace_write_seconds(trace_spans),
     }
     on, off, spans = [], [], 0
-    for _ in range(options.pairs):
-        step_time, spans = run(True, options.steps)
+    for _ in range(pairs):
+        step_time, spans = run(True, steps)
         on.append(step_time)
-        off.append(run(False, options.steps)[0])
+        off.append(run(False, steps)[0])
     results.update(
-        spans_per_step=spans / options.steps,
+        spans_per_step=spans / steps,
         step_time_on=statistics.median(on),
         step_time_off=statistics.median(off),
         step_times_on=on,
@@ -105,11 +113,34 @@ def main():
     )
     results["recording_seconds_per_step"] = results["spans_per_step"] * results["record_seconds_on"]
     results["recording_fraction_of_step"] = results["recording_seconds_per_step"] / results["step_time_off"]
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--out", default=None, help="JSON file for the results")
+    parser.add_argument("--smoke", action="store_true", help="every measurement at a tiny size: 3 steps, 1 pair")
+    options = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from a3po_trl.timeline import MAX_SPANS
+
+    sizes = dict(calls=200_000, trace_spans=MAX_SPANS, steps=options.steps, pairs=options.pairs)
+    if options.smoke:
+        sizes = dict(calls=2_000, trace_spans=1_000, steps=3, pairs=1)
+    logging.disable(logging.WARNING)  # the runs' warnings (tiny model, CPU) would bury the results
+    try:
+        results = measure(**sizes)
+    finally:
+        logging.disable(logging.NOTSET)
     text = json.dumps(results, indent=2)
     print(text)
     if options.out:
         with open(options.out, "w") as file:
             file.write(text + "\n")
+    return results
 
 
 if __name__ == "__main__":

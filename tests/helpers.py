@@ -1,6 +1,7 @@
 """Trainer-level helpers shared by the test files and the ``accelerate launch`` scripts in ``tests/scripts/``: the
 settings the trainer tests share, building an ``AsyncA3POTrainer`` on the tiny model, reading its log history and its
-generator's weights, simulating a crash after a checkpoint. No test file imports another ``test_*.py`` file; what
+generator's weights, simulating a crash after a checkpoint, and a stand-in trainer for the checkpoint code (no
+model). No test file imports another ``test_*.py`` file; what
 two of them use lives here or in ``tiny.py`` (as TRL keeps its shared test helpers in ``tests/testing_utils.py``).
 
 A module of its own rather than more of ``tiny.py``: ``tiny.py`` holds *what* is trained (offline tokenizers, random
@@ -10,16 +11,19 @@ holds *how* the tests build, run and inspect the trainer, and so depends on the 
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import torch
 from tiny import length_reward, make_model, make_prompts
 from transformers import TrainerCallback
 
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
+from a3po_trl.checkpoints import save_checkpoint_atomically
 
 #: The settings of the trainer tests: one optimizer step per batch of 4 (one prompt, 4 completions of 8 tokens), CPU.
 COMMON = dict(
@@ -150,3 +154,52 @@ def launch_fsdp2(tmp_path, script, *args, fsdp_config=None, timeout=600, mixed_p
         [*command, script, str(out), *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
     )
     return result, out
+
+
+class _State(SimpleNamespace):
+    def save_to_json(self, path):
+        with open(path, "w") as file:
+            json.dump({"global_step": self.global_step, "best_model_checkpoint": self.best_model_checkpoint}, file)
+
+
+class StandInTrainer:
+    """What the checkpoint code (a3po_trl/checkpoints.py) reads of a trainer, without a model: ``save`` writes a small
+    checkpoint (an optimizer state holding ``payload``, the trainer state). One process, or ``accelerator``'s."""
+
+    def __init__(self, output_dir, save_total_limit=None, accelerator=None):
+        self.accelerator = accelerator or SimpleNamespace(
+            num_processes=1, process_index=0, is_main_process=True, wait_for_everyone=lambda: None
+        )
+        self.args = SimpleNamespace(
+            output_dir=str(output_dir),
+            should_save=self.accelerator.is_main_process,
+            push_to_hub=False,
+            save_total_limit=save_total_limit,
+            save_on_each_node=False,
+        )
+        self.state = _State(global_step=0, best_model_checkpoint=None)
+        self._checkpoint_staging_dir = None
+
+    def _get_output_dir(self, trial):
+        return self._checkpoint_staging_dir or self.args.output_dir
+
+    def save(self, step, payload=1.0, interrupt_after_optimizer=False):
+        """Save checkpoint ``step`` holding ``payload``; ``interrupt_after_optimizer``: killed mid-write. Each process
+        writes its ``rng_state_{k}.pth`` (with several), the main one the rest."""
+        self.state.global_step = step
+
+        def write():
+            folder = os.path.join(self._get_output_dir(None), f"checkpoint-{step}")
+            os.makedirs(folder, exist_ok=True)
+            if self.accelerator.num_processes > 1:
+                torch.save(
+                    {"rng": torch.ones(4)}, os.path.join(folder, f"rng_state_{self.accelerator.process_index}.pth")
+                )
+            if not self.args.should_save:
+                return
+            torch.save({"weights": torch.full((64,), payload)}, os.path.join(folder, "optimizer.pt"))
+            if interrupt_after_optimizer:
+                raise KeyboardInterrupt
+            self.state.save_to_json(os.path.join(folder, "trainer_state.json"))
+
+        return save_checkpoint_atomically(self, None, write)

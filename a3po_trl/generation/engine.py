@@ -85,6 +85,8 @@ class GenerationEngine:
         self._trainer_version = -1
         self._requested = -1
         self._error: BaseException | None = None
+        self._error_reported = False
+        self._error_after_stop = False
         self._thread: threading.Thread | None = None
         self._next_inline = 0
         self.produced = 0
@@ -182,8 +184,17 @@ class GenerationEngine:
     def thread(self) -> threading.Thread | None:
         return self._thread
 
+    def unreported_error(self) -> tuple[BaseException, bool] | None:
+        """The generation thread's exception if no :meth:`get` re-raised it (it was raised after the trainer's last
+        batch, or while the trainer stopped early), and whether it was raised after :meth:`stop` was asked (possibly
+        a consequence of the stop); None if there is none."""
+        if self._error is None or self._error_reported:
+            return None
+        return self._error, self._error_after_stop
+
     def _raise_if_failed(self) -> None:
         if self._error is not None:
+            self._error_reported = True
             error = self._error
             raise error.with_traceback(error.__traceback__)
 
@@ -272,4 +283,5 @@ class GenerationEngine:
         except BaseException as error:  # noqa: BLE001 - re-raised in the main thread
             if hasattr(error, "add_note"):
                 error.add_note("(raised in the a3po-trl generation thread)")
+            self._error_after_stop = self.stop_event.is_set()
             self._error = error

@@ -8,15 +8,17 @@ import signal
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
+from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
-from helpers import free_port, make_trainer
+from helpers import StopAt, free_port, make_trainer
 from safetensors.torch import save_file
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
+from a3po_trl import trainer as trainer_module
 from a3po_trl.checkpoints import checkpoint_problems, newest_complete_checkpoint, resolve_resume_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -59,21 +61,6 @@ def test_a_checkpoint_is_complete_only_if_its_state_and_files_are_whole(tmp_path
     assert checkpoint_problems(str(folder))[0] == "trainer_state.json is missing"
 
 
-def _one_process_trainer(output_dir):
-    accelerator = SimpleNamespace(is_main_process=True, num_processes=1)
-    return SimpleNamespace(accelerator=accelerator, args=SimpleNamespace(output_dir=str(output_dir)))
-
-
-def test_resume_true_with_only_interrupted_writes_starts_from_the_beginning(tmp_path, caplog):
-    (tmp_path / "tmp-checkpoint-1" / "checkpoint-1").mkdir(parents=True)  # the first save was interrupted
-    (tmp_path / "checkpoint-2").mkdir()  # an in-place write that never got its trainer state
-    with caplog.at_level(logging.WARNING, logger="a3po_trl.checkpoints"):
-        assert resolve_resume_checkpoint(_one_process_trainer(tmp_path), True) is None
-    assert "skips" in caplog.text and "checkpoint-2" in caplog.text and "starts from the beginning" in caplog.text
-    # nothing at all: left to transformers, which says there is no checkpoint
-    assert resolve_resume_checkpoint(_one_process_trainer(tmp_path / "empty"), True) is True
-
-
 class _RecordResumedStep(TrainerCallback):
     def __init__(self):
         self.started_at = None
@@ -106,6 +93,74 @@ def test_resume_true_skips_a_partial_newest_checkpoint(tokenizer, tmp_path, capl
     assert newest_complete_checkpoint(str(out)) == (str(out / "checkpoint-3"), [])
     assert checkpoint_problems(str(out / "checkpoint-2")) == []
     assert not [p for p in os.listdir(out) if p.startswith("tmp-")]
+
+
+class _SaveAgainAndDieAt(TrainerCallback):
+    """Saves step ``step`` a second time right after its regular save, as ``enable_jit_checkpoint`` does when a
+    SIGTERM arrives then, and the process dies while that save writes the optimizer state."""
+
+    def __init__(self, trainer, step):
+        self.trainer, self.step = trainer, step
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step != self.step:
+            return
+        real_save = torch.save
+
+        def dies_mid_write(obj, f, *args, **kwargs):
+            if os.fspath(f).endswith("optimizer.pt"):
+                raise KeyboardInterrupt
+            return real_save(obj, f, *args, **kwargs)
+
+        with mock.patch.object(torch, "save", dies_mid_write):
+            self.trainer._save_checkpoint(self.trainer.model, trial=None)
+
+
+def test_a_kill_while_a_step_is_saved_again_leaves_it_resumable(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, max_steps=2, save_total_limit=1, **CHECKPOINTS)
+    trainer.add_callback(_SaveAgainAndDieAt(trainer, 2))
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    out = tmp_path / "out"
+    assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint-")) == ["checkpoint-2"]
+    assert checkpoint_problems(str(out / "checkpoint-2")) == []
+
+    resumed = make_trainer(tokenizer, tmp_path, max_steps=3, save_total_limit=1, **CHECKPOINTS)
+    recorder = _RecordResumedStep()
+    resumed.add_callback(recorder)
+    resumed.train(resume_from_checkpoint=True)
+    assert recorder.started_at == 2 and resumed.state.global_step == 3
+
+
+def test_a_checkpoint_that_lost_a_file_its_manifest_lists_is_not_resumed_from(tokenizer, tmp_path):
+    make_trainer(tokenizer, tmp_path, max_steps=2, **CHECKPOINTS).train()
+    out = tmp_path / "out"
+    os.remove(out / "checkpoint-2" / "rng_state.pth")  # whole otherwise: every remaining file is intact
+    assert checkpoint_problems(str(out / "checkpoint-2")) == ["rng_state.pth is missing (the manifest lists it)"]
+    assert resolve_resume_checkpoint(make_trainer(tokenizer, tmp_path), True) == str(out / "checkpoint-1")
+
+
+def test_a_path_given_as_resume_from_checkpoint_restores_the_generators_kept_versions(tokenizer, tmp_path):
+    settings = dict(reproducible_generation=True, max_staleness=2, max_steps=4, save_steps=2, save_strategy="steps")
+    first = make_trainer(tokenizer, tmp_path, **settings)
+    first.add_callback(StopAt(2))
+    with pytest.raises(KeyboardInterrupt):
+        first.train()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert (checkpoint / "a3po_generator_versions.pt").is_file()  # versions a batch after step 2 still needs
+
+    loaded = []
+
+    def load_kept_versions(directory):
+        loaded.append(directory)
+        return real_load(directory)
+
+    real_load = trainer_module.load_kept_versions
+    resumed = make_trainer(tokenizer, tmp_path, **settings)
+    with mock.patch.object(trainer_module, "load_kept_versions", load_kept_versions):
+        resumed.train(resume_from_checkpoint=Path(checkpoint))
+    assert loaded == [str(checkpoint)] and real_load(loaded[0])
+    assert resumed.state.global_step == 4
 
 
 def test_rotation_keeps_the_newest_checkpoints(tokenizer, tmp_path):
@@ -167,3 +222,46 @@ def test_every_process_resumes_from_the_checkpoint_the_main_process_chose(tmp_pa
     reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
     for report in reports:
         assert report["resumed_from"] == "checkpoint-1" and report["started_at"] == 1 and report["global_step"] == 3
+
+
+@pytest.mark.slow
+def test_two_processes_raise_together_when_a_save_or_a_resume_fails_on_one_of_them(tmp_path):
+    """tests/scripts/checkpoint_agreement.py on two gloo processes: a failure on one process (a write, the rename,
+    the scan for resume) raises on both, within the deadline, instead of leaving the other in a collective."""
+    script = os.path.join(ROOT, "tests", "scripts", "checkpoint_agreement.py")
+    port = free_port()
+    processes = []
+    for rank in range(2):
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        processes.append(
+            subprocess.Popen([sys.executable, script, str(tmp_path)], env=env, stderr=subprocess.PIPE, text=True)
+        )
+    try:
+        errors = [process.communicate(timeout=300)[1] for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    assert [process.returncode for process in processes] == [0, 0], errors[0][-3000:] + errors[1][-3000:]
+    main, other = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2))
+
+    assert main["save"] is None and other["save"] is None
+    assert main["flushed_own_files"] and other["flushed_own_files"]  # each process flushes its own files
+    assert main["manifest"] == ["optimizer.pt", "rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"]
+
+    assert other["write_fails_on_process_1"][0] in ("FileNotFoundError", "PermissionError", "OSError")
+    assert main["write_fails_on_process_1"][0] == "CheckpointError"
+    assert "on process 1" in main["write_fails_on_process_1"][1]
+
+    assert main["rename_fails_on_the_main_process"] == ["OSError", "[Errno 5] Input/output error"]
+    assert other["rename_fails_on_the_main_process"][0] == "CheckpointError"
+
+    assert main["resume_scan_fails_on_the_main_process"][0] == "PermissionError"
+    assert other["resume_scan_fails_on_the_main_process"][0] == "CheckpointError"
+    # checkpoint-3 was written whole before its rename failed: resuming finishes its save
+    assert main["resumed_from"] == other["resumed_from"] == "checkpoint-3"
+
+    assert main["explicit_path_incomplete_on_the_main_process"][0] == "ValueError"
+    assert other["explicit_path_incomplete_on_the_main_process"][0] == "ValueError"
+    assert main["checkpoints"] == ["checkpoint-1", "checkpoint-3"]

@@ -276,3 +276,84 @@ def test_sigint_while_waiting_for_generation_joins_thread_quickly(tokenizer, tmp
     assert _no_generation_thread_alive()
     assert elapsed < 2.0 + 10.0  # liveness bound, generous for a loaded machine: no hang
     assert trainer.state.global_step < 50
+
+
+class _StopWhen(TrainerCallback):
+    """After optimizer step ``step``, waits until ``ready()`` (the generation thread reached a given point), then
+    ends training (``interrupt``: with Ctrl-C, else as a callback that ends training early does); once."""
+
+    def __init__(self, step, ready, interrupt=False):
+        self.step, self.ready, self.interrupt, self.done = step, ready, interrupt, False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step and not self.done:
+            self.done = True
+            assert self.ready(), "the generation thread never got there"
+            if self.interrupt:
+                raise KeyboardInterrupt
+            control.should_training_stop = True
+
+
+def test_a_generation_error_after_the_last_batch_taken_surfaces_from_train(tokenizer, tmp_path):
+    calls = []
+
+    def fails_on_the_second_batch(completions, **kwargs):
+        calls.append(len(completions))
+        if len(calls) == 2:
+            raise RuntimeError("the reward server went away")
+        return [0.0] * len(completions)
+
+    trainer = make_trainer(tokenizer, tmp_path, reward_funcs=(fails_on_the_second_batch,), max_staleness=2)
+
+    def thread_ended():  # it fails on batch 1, which the trainer, stopping after step 1, never takes
+        trainer.last_generation_engine.thread.join(60)
+        return not trainer.last_generation_engine.thread.is_alive()
+
+    trainer.add_callback(_StopWhen(1, thread_ended))
+    with pytest.raises(RuntimeError, match="the reward server went away"):
+        trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def test_a_second_train_is_refused_while_the_first_ones_generation_thread_is_still_running(tokenizer, tmp_path):
+    calls, release = [], threading.Event()
+
+    def stuck_on_the_second_batch(completions, **kwargs):
+        calls.append(len(completions))
+        if len(calls) == 2:
+            release.wait(120)  # a reward function that does not return
+        return [0.0] * len(completions)
+
+    trainer = make_trainer(
+        tokenizer,
+        tmp_path,
+        reward_funcs=(stuck_on_the_second_batch,),
+        max_staleness=2,
+        max_steps=2,
+        generation_stop_timeout=0.1,
+    )
+    trainer.add_callback(_StopWhen(1, lambda: _wait_for(lambda: len(calls) >= 2), interrupt=True))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train()
+        stuck = trainer.last_generation_engine.thread
+        assert stuck.is_alive()
+        with pytest.raises(RuntimeError, match=r"generation thread of an earlier train\(\) call .* still running"):
+            trainer.train()
+    finally:
+        release.set()
+        trainer.last_generation_engine.thread.join(60)
+    trainer.remove_callback(_StopWhen)
+    trainer.train()  # once the thread has ended, the trainer trains again
+    assert trainer.state.global_step == 2
+
+
+def _wait_for(condition, seconds=60.0):
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

@@ -1,12 +1,16 @@
 """The timeline of the pipeline: a bounded, thread-safe recorder, the Chrome trace a run writes, the picture."""
 
 import json
+import logging
+import os
 import sys
 import threading
 
 import pytest
 from helpers import make_trainer
+from transformers import TrainerCallback
 
+from a3po_trl.checkpoints import checkpoint_problems
 from a3po_trl.timeline import (
     GENERATION_LANE,
     LANES,
@@ -55,7 +59,8 @@ def test_chrome_trace_events_are_complete_events_in_microseconds_with_one_thread
     assert spans["generation"]["ts"] == pytest.approx(1e6) and spans["generation"]["dur"] == pytest.approx(5e5)
     assert spans["generation"]["args"] == {"batch": 7, "version": 2, "sequences": 4}  # the batch's args, and its own
     assert spans["step"]["tid"] == LANES[TRAINING_LANE][0] != spans["batch"]["tid"] == LANES[GENERATION_LANE][0]
-    assert {e["pid"] for e in trace["traceEvents"]} == {1}
+    assert {e["pid"] for e in trace["traceEvents"]} == {2}  # process 1; pid 0 is the idle process to viewers
+    assert {e["pid"] for e in recorder.chrome_trace(process_index=0)["traceEvents"]} == {1}
     names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
     assert names == {1: "training (main thread)", 2: "generation thread"}
 
@@ -116,3 +121,58 @@ def test_drawing_says_what_is_missing(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)  # as if matplotlib were not installed
     with pytest.raises(ImportError, match=r"a3po-trl\[plots\]"):
         draw_timeline([], str(tmp_path / "t.png"))
+
+
+def _block_the_timeline_folder(tmp_path):
+    """``output_dir/timeline`` cannot be created: a file has its name (as a full disk or a missing permission would
+    make any write there fail; a file works for root too)."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "timeline").write_text("not a folder")
+
+
+def test_an_unwritable_timeline_folder_lets_training_and_its_checkpoints_finish_with_a_warning(
+    tokenizer, tmp_path, caplog
+):
+    _block_the_timeline_folder(tmp_path)
+    trainer = make_trainer(tokenizer, tmp_path, max_steps=2, save_strategy="steps", save_steps=1)
+    with caplog.at_level(logging.WARNING, logger="a3po_trl.trainer"):
+        trainer.train()
+    assert trainer.state.global_step == 2
+    assert checkpoint_problems(str(tmp_path / "out" / "checkpoint-2")) == []
+    assert caplog.text.count("Could not write the timeline trace") == 1  # once, not at every checkpoint
+    assert "timeline=False" in caplog.text
+
+
+class _CtrlCAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+def test_ctrl_c_surfaces_as_keyboard_interrupt_even_when_the_trace_cannot_be_written(tokenizer, tmp_path):
+    _block_the_timeline_folder(tmp_path)
+    trainer = make_trainer(tokenizer, tmp_path, max_steps=3)
+    trainer.add_callback(_CtrlCAt(1))
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+
+
+def _steps_in(path):
+    return [e["args"]["step"] for e in json.loads(open(path).read())["traceEvents"] if e["name"] == "step"]
+
+
+def test_a_resumed_run_keeps_the_trace_of_the_run_it_resumes(tokenizer, tmp_path):
+    settings = dict(save_strategy="steps", save_steps=1)
+    first = make_trainer(tokenizer, tmp_path, max_steps=2, **settings)
+    first.train()
+    first.train()  # the same trainer again: its trace (both calls) goes to the same file
+    out = tmp_path / "out"
+    assert sorted(os.listdir(out / "timeline")) == ["trace-rank0.json"]
+    resumed = make_trainer(tokenizer, tmp_path, max_steps=3, **settings)
+    resumed.train(resume_from_checkpoint=True)
+    assert sorted(os.listdir(out / "timeline")) == ["trace-rank0-run2.json", "trace-rank0.json"]
+    assert _steps_in(trace_path(str(out), 0)) == [1, 2, 1, 2]
+    assert _steps_in(trace_path(str(out), 0, run=2)) == [3]

@@ -22,6 +22,7 @@ LAYERS = {
     "a3po_trl.patches": 1,
     "a3po_trl.distributed": 1,
     "a3po_trl.devices": 1,
+    "a3po_trl.checkpoint_files": 1,  # what a complete checkpoint folder is, and the filesystem it needs
     "a3po_trl.generation.weights": 2,  # the weight path: gather, dtype, staging store, copies, memory plan
     "a3po_trl.generation": 3,  # the engine, the queue, the schedule, the backend interface
     "a3po_trl.generation.hf": 4,

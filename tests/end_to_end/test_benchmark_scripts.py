@@ -1,0 +1,99 @@
+"""Every script in benchmarks/ runs in the suite at a tiny size, so none can rot unnoticed; the README quotes the
+committed timeline-overhead results.
+
+Most scripts have their run in a file of their own (``SMOKE_TESTS`` names it); the two small ones run here.
+"""
+
+import ast
+import importlib.util
+import json
+import math
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCHMARKS = os.path.join(ROOT, "benchmarks")
+SMOKE_TESTS = {
+    "backends.py": ("tests/integration/test_vllm.py", "test_backends_benchmark_reports_every_field"),
+    "compare.py": ("tests/end_to_end/test_benchmark.py", "test_quick_benchmark_writes_a_complete_report"),
+    "lora_memory.py": ("tests/end_to_end/test_benchmark.py", "test_lora_memory_report_on_the_tiny_model"),
+    "soak.py": ("tests/end_to_end/test_soak.py", "test_short_soak_has_no_leaks"),
+    "staleness.py": (
+        "tests/end_to_end/test_staleness_study.py",
+        "test_quick_study_records_every_field_summarizes_and_resumes",
+    ),
+    "task_probe.py": ("tests/end_to_end/test_benchmark_scripts.py", "test_task_probe_runs_on_a_tiny_model"),
+    "time_to_accuracy.py": (
+        "tests/end_to_end/test_time_to_accuracy.py",
+        "test_quick_run_summarizes_and_skips_finished_runs",
+    ),
+    "timeline_overhead.py": (
+        "tests/end_to_end/test_benchmark_scripts.py",
+        "test_timeline_overhead_smoke_run_measures_everything",
+    ),
+}
+"""Benchmark script -> the test that runs it at a tiny size."""
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(
+        f"benchmark_{name.removesuffix('.py')}", os.path.join(BENCHMARKS, name)
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_benchmark_script_has_a_smoke_test():
+    scripts = sorted(name for name in os.listdir(BENCHMARKS) if name.endswith(".py"))
+    assert scripts == sorted(SMOKE_TESTS), "add the new script's tiny run to SMOKE_TESTS"
+    for script, (path, function) in SMOKE_TESTS.items():
+        tree = ast.parse(open(os.path.join(ROOT, path)).read())
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        assert function in defined, f"{script}: {path}::{function} does not exist"
+
+
+def test_timeline_overhead_smoke_run_measures_everything(tmp_path):
+    results = load_script("timeline_overhead.py").main(["--smoke", "--out", str(tmp_path / "overhead.json")])
+    assert json.loads((tmp_path / "overhead.json").read_text()) == json.loads(json.dumps(results))
+    for key in ("record_seconds_on", "record_seconds_off", "trace_write_seconds_1k_spans", "step_time_on"):
+        assert math.isfinite(results[key]) and results[key] > 0, key
+    assert results["spans_per_step"] >= 8  # a step, its parts, the batch and its parts, the publication
+    assert len(results["step_times_on"]) == len(results["step_times_off"]) == 1
+
+
+def test_task_probe_runs_on_a_tiny_model(tmp_path, capsys):
+    from a3po_trl.tasks.tiny_model import make_byte_tokenizer, make_tiny_llama
+
+    tokenizer = make_byte_tokenizer()
+    make_tiny_llama(tokenizer).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    load_script("task_probe.py").main(
+        ["--model", str(tmp_path), "--prompts", "2", "--samples", "2", "--max-new-tokens", "3"]
+    )
+    out = capsys.readouterr().out
+    assert re.search(r"^word_choice: mean reward \d\.\d{3}, exact \d+/4, groups without spread \d/2$", out, re.M)
+    assert re.search(r"^bare_sum: mean reward \d\.\d{3}, exact \d+/4", out, re.M)
+
+
+def _readme_section(title):
+    text = open(os.path.join(ROOT, "README.md")).read()
+    start = text.index(f"## {title}")
+    return text[start : text.index("\n## ", start + 1)]
+
+
+def test_the_readme_quotes_the_committed_timeline_overhead_results():
+    results = json.load(open(os.path.join(BENCHMARKS, "results", "timeline_overhead.json")))
+    section = _readme_section("The timeline of a run")
+    quoted = [
+        f"{results['record_seconds_on'] * 1e6:.1f} us",
+        f"{results['record_seconds_off'] * 1e6:.2f} us",
+        f"{results['spans_per_step']:.0f} spans per optimizer step",
+        f"{results['recording_seconds_per_step'] * 1e6:.0f} us per step",
+        f"{results['recording_fraction_of_step']:.2%}",
+        f"{results['step_time_on']:.3f} s",
+        f"{results['step_time_off']:.3f} s",
+        f"{results['trace_write_seconds_50k_spans']:.2f} s",
+    ]
+    missing = [figure for figure in quoted if figure not in section]
+    assert not missing, f"README's timeline cost paragraph does not quote {missing}"
