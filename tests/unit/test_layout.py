@@ -33,6 +33,7 @@ LAYERS = {
     "a3po_trl.builders": 7,  # the one module that reads trainer internals to build what the thread needs
     "a3po_trl.trainer": 8,
     "a3po_trl.__init__": 9,
+    "a3po_trl.cli": 9,  # the `a3po-trl grpo` command: TRL's script arguments, the trainer
     "a3po_trl.tasks": 10,
 }
 
