@@ -46,7 +46,7 @@ class CommandLine:
     dataset_args: Any
     """TRL's ``DatasetMixtureConfig``: ``datasets`` (``DatasetConfig`` list), ``streaming``, ``test_split_size``."""
     launch_args: list[str]
-    """The options for ``accelerate launch`` (from the command line, then from the config file)."""
+    """The options for ``accelerate launch``: the config file's, then the command line's (which win)."""
     training_argv: list[str]
     """The arguments the launched processes parse again: the command line without its launch options."""
 
@@ -145,12 +145,17 @@ def parse_command_line(argv: list[str], launching: bool, parser=None) -> Command
     in this process (``python -m a3po_trl.cli grpo``, or under ``accelerate launch``): a launch option on the command
     line is refused (it belongs before ``-m``), one in the config file is ignored, as TRL's script ignores it.
     """
+    import yaml
+    from trl.cli.commands.training import _subtract_subsequence
+
     parser = parser if parser is not None else make_parser()
     config_path = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
     try:
         parsed = parser.parse_args_and_config(argv, return_remaining_strings=True, separate_remaining_strings=True)
     except OSError as error:
         raise CommandLineError(f"--config {config_path}: cannot read the config file ({error}).") from error
+    except yaml.YAMLError as error:
+        raise CommandLineError(f"--config {config_path}: not a valid YAML file ({error}).") from error
     except ValueError as error:  # a value the dataclasses refuse (AsyncA3POConfig, GRPOConfig, TrainingArguments)
         raise CommandLineError(str(error)) from error
     script_args, training_args, model_args, dataset_args, config_remaining, cli_remaining = parsed
@@ -159,7 +164,7 @@ def parse_command_line(argv: list[str], launching: bool, parser=None) -> Command
     config_launch_args = _config_launch_args(config_remaining, known, candidates, config_path)
     if launching:
         _check_cli_launch_args(cli_remaining, known, candidates)
-        launch_args = cli_remaining + config_launch_args
+        launch_args = config_launch_args + cli_remaining  # as trl grpo: the command line comes last, and wins
     else:
         _refuse_cli_launch_args(cli_remaining, known, candidates)
         if config_launch_args and not os.environ.get(LAUNCHED_ENV):
@@ -170,8 +175,6 @@ def parse_command_line(argv: list[str], launching: bool, parser=None) -> Command
                 " ".join(config_launch_args),
             )
         launch_args = []
-    from trl.cli.commands.training import _subtract_subsequence
-
     return CommandLine(
         script_args=script_args,
         training_args=training_args,

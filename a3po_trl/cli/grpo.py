@@ -50,7 +50,7 @@ def prepare(command_line: CommandLine) -> Inputs:
     say("loading the dataset")
     evaluate = command_line.training_args.eval_strategy != "no"
     train_dataset, eval_dataset = load_training_data(script_args, command_line.dataset_args, evaluate)
-    size = f"{len(train_dataset)} prompts" if hasattr(train_dataset, "__len__") else "streaming"
+    size = f"{len(train_dataset)} rows" if hasattr(train_dataset, "__len__") else "streaming"
     say(f"training data: {size}, columns {list(train_dataset.column_names or [])}")
     return Inputs(reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset)
 
@@ -108,14 +108,11 @@ def run(argv: list[str]) -> int:
     return 0
 
 
-def launch(argv: list[str], launch_command=None) -> int:
+def launch(argv: list[str]) -> int:
     """``a3po-trl grpo``: check everything that can be checked without a model, then run the training program under
-    ``accelerate launch`` with the launch options of the command line and the config file. ``launch_command``:
-    accelerate's, by default (tests pass a recorder). Returns the exit status of the launch."""
-    from accelerate.commands.launch import launch_command_parser
-
-    if launch_command is None:
-        from accelerate.commands.launch import launch_command
+    ``accelerate launch`` with the launch options of the config file and the command line. Returns the exit status
+    of the launch."""
+    from accelerate.commands.launch import launch_command, launch_command_parser
 
     command_line = parse_command_line(argv, launching=True)
     launch_args = accelerate_config_argument(command_line.launch_args)

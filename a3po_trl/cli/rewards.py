@@ -44,6 +44,8 @@ def resolve_rewards(reward_model_name_or_path: str | None, reward_funcs: list[st
     """The trainer's ``reward_funcs``: the reward model's id or path, then each function, in order."""
     rewards: list = [reward_model_name_or_path] if reward_model_name_or_path else []
     registry = trl_reward_registry()
+    if isinstance(reward_funcs, str):  # `reward_funcs: name` in a YAML file, not a list
+        reward_funcs = [reward_funcs]
     for name in reward_funcs or []:
         if name in registry:
             _check_requirement(name)

@@ -169,9 +169,10 @@ def test_a_yaml_trl_grpo_runs_runs_here_and_an_a3po_field_only_here(workspace, c
 
 
 def test_launch_options_go_to_accelerate_launch(workspace, commands):
-    """As with `trl grpo`: launch options on the command line and as YAML keys (a switch as the bare flag), TRL's
-    --accelerate_config resolved to its file; the launched program gets the rest."""
-    config = write_yaml(workspace / "launch.yaml", {**TRL_YAML, "multi_gpu": True, "main_process_port": 29123})
+    """As with `trl grpo`: launch options on the command line and as YAML keys (a switch as the bare flag; the command
+    line wins), TRL's --accelerate_config resolved to its file; the launched program gets the rest."""
+    launch_settings = {"multi_gpu": True, "main_process_port": 29123, "num_processes": 4}
+    config = write_yaml(workspace / "launch.yaml", {**TRL_YAML, **launch_settings})
     status, launches, _ = commands["a3po-trl grpo"](
         ["--config", config, "--num_processes", "2", "--max_staleness", "2", "--accelerate_config", "multi_gpu"]
     )
@@ -314,6 +315,20 @@ def test_a_registry_reward_without_its_package_is_refused(entry, workspace, comm
     status, launches, trainings = commands[entry](["--config", config, "--reward_funcs", "accuracy_reward"])
     assert status == 2 and launches == [] and trainings == []
     assert "--reward_funcs accuracy_reward needs the `math-verify` package" in capsys.readouterr().err
+
+
+def test_a_reward_name_as_a_yaml_string_is_one_reward(workspace, commands):
+    config = write_yaml(workspace / "string.yaml", {**TRL_YAML, "reward_funcs": "cli_rewards.length_reward"})
+    status, _, trainings = commands["python -m a3po_trl.cli grpo"](["--config", config])
+    assert status == 0 and [f.__name__ for f in trainings[0][1].reward_funcs] == ["length_reward"]
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_config_file_that_is_not_yaml_is_refused(entry, workspace, commands, capsys):
+    (workspace / "broken.yaml").write_text("model_name_or_path: [model\n")
+    status, launches, trainings = commands[entry](["--config", "broken.yaml"])
+    assert status == 2 and launches == [] and trainings == []
+    assert "--config broken.yaml: not a valid YAML file" in capsys.readouterr().err
 
 
 def test_dataset_name_takes_local_files_and_folders(workspace, monkeypatch):
