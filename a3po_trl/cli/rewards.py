@@ -24,7 +24,7 @@ REGISTRY_REQUIREMENTS = {
 def trl_reward_registry() -> dict[str, Callable]:
     """The reward functions ``trl grpo`` knows by name, with the arguments it gives them: the registry of
     ``trl/scripts/grpo.py``, which the script builds inside its ``main`` (so it cannot be imported);
-    ``tests/unit/test_cli.py`` checks that the names are the installed TRL's."""
+    ``tests/unit/test_cli_arguments.py`` checks that the names are the installed TRL's."""
     from trl.rewards import (
         accuracy_reward,
         get_soft_overlong_punishment,
