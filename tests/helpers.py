@@ -203,3 +203,55 @@ class StandInTrainer:
             self.state.save_to_json(os.path.join(folder, "trainer_state.json"))
 
         return save_checkpoint_atomically(self, None, write)
+
+
+CLI_REWARDS = '''
+import os
+
+
+def length_reward(completions, **kwargs):
+    """Longer completions score higher (an import-path reward for the command-line tests)."""
+    return [len(c[0]["content"] if isinstance(c, list) else c) / 10.0 for c in completions]
+
+
+def rank_reward(completions, **kwargs):
+    """Records which process scored a batch, in out/rank<RANK>.seen; rewards 0."""
+    os.makedirs("out", exist_ok=True)
+    with open(os.path.join("out", f"rank{os.environ.get('RANK', '0')}.seen"), "a") as seen:
+        seen.write(f"{len(completions)}\\n")
+    return [0.0] * len(completions)
+'''
+
+
+def cli_workspace(path, reward_model: bool = False) -> dict:
+    """A working directory for ``a3po-trl grpo`` runs: the tiny model and tokenizer in ``model/`` (and a tiny
+    sequence-classification reward model in ``reward_model/``), 16 conversational prompts in ``prompts.jsonl``,
+    reward functions in ``cli_rewards.py`` (import paths ``cli_rewards.length_reward``, ``cli_rewards.rank_reward``).
+    Returns the settings of a two-step CPU run, as the mapping of a YAML config (paths relative to ``path``)."""
+    from tiny import make_reward_model, make_tokenizer
+
+    tokenizer = make_tokenizer()
+    make_model(tokenizer).save_pretrained(path / "model")
+    tokenizer.save_pretrained(path / "model")
+    if reward_model:
+        make_reward_model(tokenizer).save_pretrained(path / "reward_model")
+        tokenizer.save_pretrained(path / "reward_model")
+    make_prompts(16).to_json(str(path / "prompts.jsonl"))
+    (path / "cli_rewards.py").write_text(CLI_REWARDS)
+    return {
+        "model_name_or_path": "model",
+        "dataset_name": "prompts.jsonl",
+        "reward_funcs": ["think_format_reward", "cli_rewards.length_reward"],
+        "output_dir": "out",
+        "per_device_train_batch_size": 4,
+        "num_generations": 4,
+        "max_completion_length": 8,
+        "max_steps": 2,
+        "learning_rate": 0.01,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "use_cpu": True,
+        "bf16": False,
+        "seed": 0,
+    }

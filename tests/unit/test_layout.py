@@ -36,6 +36,7 @@ LAYERS = {
     "a3po_trl.builders": 8,  # the one module that reads trainer internals to build what the thread needs
     "a3po_trl.trainer": 9,
     "a3po_trl.__init__": 10,
+    "a3po_trl.cli": 10,  # the `a3po-trl grpo` command: TRL's script arguments, the trainer
     "a3po_trl.tasks": 11,
 }
 
