@@ -50,7 +50,7 @@ from .distributed import destroy_process_group_at_exit
 from .functional import group_advantages
 from .generation import GenerationBackend, GenerationEngine
 from .generation.schedule import TrainingLoopShape, oldest_allowed_version, plan_generation_batches, run_micro_steps
-from .generation.weights.names import without_checkpoint_wrapper
+from .generation.weights.names import ACTIVATION_CHECKPOINT_PREFIX, strip_checkpoint_wrapper_from_files
 from .generation.weights.version_checkpoint import load_kept_versions, save_kept_versions
 from .losses import DecoupledLossMixin
 from .metrics import batch_metrics, tool_metrics
@@ -304,13 +304,14 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             wanted = [
                 (name, p) for name, p in model.named_parameters() if p.requires_grad or adapters & set(name.split("."))
             ]
-            state_dict = {
-                without_checkpoint_wrapper(name): t.to("cpu", copy=True)  # as PEFT names them without the wrapper
-                for name, t in weight_gather(self).full_tensors(wanted)
-            }
+            state_dict = {name: t.to("cpu", copy=True) for name, t in weight_gather(self).full_tensors(wanted)}
         else:
             state_dict = self.accelerator.get_state_dict(self.model)  # full, on the main process, in CPU memory
         self._save(output_dir, state_dict=state_dict)
+        if self.args.should_save and any(ACTIVATION_CHECKPOINT_PREFIX in name for name in state_dict):
+            # PEFT picks the adapter's entries by the model's own (wrapped) module names, and writes them so: the
+            # files must name them as the model without activation-checkpointing wrappers does, to load anywhere
+            strip_checkpoint_wrapper_from_files(output_dir)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 

@@ -184,6 +184,25 @@ def test_weight_names_lose_every_wrapper_vllm_and_lora_files_do_not_know(tmp_pat
     assert keys and not any("_checkpoint_wrapped_module" in key or ".default." in key for key in keys)
 
 
+def test_adapter_files_saved_from_a_wrapped_model_are_renamed_in_place(tmp_path):
+    """PEFT writes an adapter's tensors under the model's own module names, activation-checkpointing wrappers
+    included; the saved files must load into a model without them."""
+    from safetensors.torch import load_file, save_file
+
+    from a3po_trl.generation.weights.names import strip_checkpoint_wrapper_from_files
+
+    wrapped = "base_model.model.model.layers.0._checkpoint_wrapped_module.self_attn.q_proj.lora_A.weight"
+    (tmp_path / "ref").mkdir()
+    save_file({wrapped: torch.ones(2)}, tmp_path / "adapter_model.safetensors", metadata={"format": "pt"})
+    save_file({"plain.weight": torch.zeros(1)}, tmp_path / "ref" / "adapter_model.safetensors")
+    assert strip_checkpoint_wrapper_from_files(str(tmp_path)) == [str(tmp_path / "adapter_model.safetensors")]
+    assert list(load_file(tmp_path / "adapter_model.safetensors")) == [
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    ]
+    assert list(load_file(tmp_path / "ref" / "adapter_model.safetensors")) == ["plain.weight"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter_model.safetensors", "ref"]  # no temporary left
+
+
 # ---- backends under bf16 mixed precision ---------------------------------------------------------------------------
 def test_the_generate_backend_under_bf16_holds_and_stages_bf16_and_keeps_an_fp32_lm_head(tokenizer):
     from transformers import GenerationConfig
