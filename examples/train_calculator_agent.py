@@ -16,10 +16,10 @@ writes a well-formed call.
 
 SmolLM2's own chat template has no tool syntax, so the prompts are rendered with Qwen3's ChatML tool template (TRL
 ships it and parses its `<tool_call>` blocks); SmolLM2's `<|im_start|>`/`<|im_end|>` tokens are the ones it uses.
-Measured on 2 CPU cores (seed 42): 59.0 s/step with the generation thread, 69.1 s/step synchronous (README,
-Benchmarks). Every `AsyncA3POConfig` and `trl.ModelConfig` field is a command-line flag, as in `train_gsm8k.py`.
-The output directory gets the LoRA adapter, `metrics.jsonl` and `results.json` (seconds per step, tool calls,
-rewards).
+Measured on 2 CPU cores (seed 42): 59.0 s/step with the generation thread, 69.1 s/step synchronous
+(docs/BENCHMARKS.md). Every `AsyncA3POConfig` and `trl.ModelConfig` field is a command-line flag, as in
+`train_gsm8k.py`. The output directory gets the LoRA adapter, `metrics.jsonl` and `results.json` (seconds per
+step, tool calls, rewards).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The main job of a3po-trl. With no arguments it trains a LoRA adapter (r=16, every linear layer) of the offline
 SmolLM2-135M-Instruct on generated one-step GSM8K-style problems, on CPU or GPU. Measured on 2 CPU cores (seed 42,
-60 steps; README.md, "Benchmarks" > "The main job", from benchmarks/results/demo-smollm2.json): 14.7 min, greedy
+60 steps; docs/BENCHMARKS.md, "The main job", from benchmarks/results/demo-smollm2.json): 14.7 min, greedy
 accuracy on 200 held-out problems 25.0% +- 3.1% -> 33.5% +- 3.3% (paired gain +8.5% +- 3.7%, McNemar p = 0.033):
 
     python examples/train_gsm8k.py --output_dir outputs/demo
@@ -107,7 +107,7 @@ def demo_defaults(argv: list[str] | None = None) -> dict:
     defaults = dict(
         model_name_or_path=DEFAULT_MODEL,
         output_dir="outputs/train_gsm8k",
-        # LoRA r=16 on every linear layer at lr 2e-4 (the measured demo: README, Limitations); `--use_peft false`
+        # LoRA r=16 on every linear layer at lr 2e-4 (the measured demo: docs/LIMITATIONS.md); `--use_peft false`
         # fine-tunes every weight (then lower the learning rate, e.g. 2e-5)
         use_peft=True,
         lora_r=16,

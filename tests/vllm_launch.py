@@ -5,7 +5,7 @@ import time
 
 
 def start_server(model_dir, port, log_path):
-    """`trl vllm-serve` as a user starts it, plus what the trainer's CPU paths need (see the README)."""
+    """`trl vllm-serve` as a user starts it, plus what the trainer's CPU paths need (see docs/VLLM.md)."""
     import shutil
     import subprocess
     import sys

@@ -534,7 +534,7 @@ def test_training_against_the_server_then_its_death_ends_train_within_seconds_ch
 @pytest.mark.slow
 def test_backends_benchmark_reports_every_field(tokenizer, tmp_path):
     """``benchmarks/backends.py`` on a tiny saved model, generate against in-process vLLM (the SmolLM2 numbers in the
-    README come from the same script)."""
+    docs/BENCHMARKS.md come from the same script)."""
     import json
     import subprocess
     import sys
