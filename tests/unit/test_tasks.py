@@ -321,3 +321,21 @@ def test_to_prompt_dataset_custom_columns():
     assert ds.column_names[:3] == ["prompt", "question", "answer"]
     with pytest.raises(ValueError, match=r"missing column\(s\) \['question'\]"):
         to_prompt_dataset(datasets.Dataset.from_dict({"answer": ["1"]}))
+
+
+def test_token_preference_rewards_the_share_of_slots_holding_the_prompts_class():
+    from a3po_trl.tasks.token_preference import (
+        make_token_preference_prompts,
+        make_token_preference_tokenizer,
+        token_preference_reward,
+    )
+
+    tokenizer = make_token_preference_tokenizer(num_classes=4, symbols=16)
+    ids = tokenizer("t2 t6 t3 t14 <eos>")["input_ids"]
+    assert tokenizer.decode(ids) == "t2 t6 t3 t14 <eos>"
+    reward = token_preference_reward(tokenizer, max_completion_length=8)
+    # class 2: t2, t6 and t14 count; t3 and the end token do not; the 3 empty slots earn nothing
+    assert reward(completion_ids=[ids, ids], target=[2, 3]) == [3 / 8, 1 / 8]
+    prompts = make_token_preference_prompts(10, num_classes=4, seed=1)
+    assert sorted(prompts["target"]) == [0, 0, 0, 1, 1, 1, 2, 2, 3, 3]
+    assert all(p == f"c{k}" for p, k in zip(prompts["prompt"], prompts["target"]))
