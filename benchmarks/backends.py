@@ -5,7 +5,7 @@ the demo's task and model, reporting: generation tokens/s, seconds per step, sec
 training step, the pipelining ideal ``max(generation, training)`` and the measured step's ratio to it, and the
 behavior/trainer log-prob mismatch of the backend. Runs in the vLLM environment (``bash scripts/setup_vllm.sh``):
 
-    .venv-vllm/bin/python benchmarks/backends.py --backends generate,vllm-colocate,vllm-server --lora
+    .venv-vllm/bin/python -m benchmarks.backends --backends generate,vllm-colocate,vllm-server --lora
 
 ``--device cuda`` runs the same on a GPU (colocate on the training GPU; the server on ``--server-device``).
 ``--processes N`` runs each backend under ``accelerate launch`` with N training processes (DDP; on CPU, N gloo
@@ -29,7 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from benchmarks.common import internals
+from benchmarks.common.demo import demo_trainer
+from benchmarks.common.runner import child_environment
+
 BACKENDS = ("generate", "vllm-colocate", "vllm-server")
 
 
@@ -76,7 +79,6 @@ def _free_port() -> int:
 
 
 def _model_dir(name: str) -> str:
-    sys.path.insert(0, str(HERE.parent))
     from a3po_trl.tasks.offline_model import resolve_model_path
 
     return resolve_model_path("smollm2-135m-instruct" if name == "smollm2" else name)
@@ -130,12 +132,8 @@ def _launch_config(options) -> str:
 
 def _run_one(options) -> dict:
     """One backend's run, in this process."""
-    sys.path.insert(0, str(HERE.parent))
-    from peft import LoraConfig
-
     from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
     from a3po_trl.tasks import make_math_splits
-    from a3po_trl.tasks.rewards import correctness_reward, format_reward
 
     backend = options.run_one
     train, _ = make_math_splits(256, 16, "easy", options.seed)
@@ -160,16 +158,7 @@ def _run_one(options) -> dict:
         seed=options.seed,
         **vllm,
     )
-    peft_config = (
-        LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM") if options.lora else None
-    )
-    trainer = AsyncA3POTrainer(
-        model=_model_dir(options.model),
-        reward_funcs=[correctness_reward, format_reward],
-        args=args,
-        train_dataset=train,
-        peft_config=peft_config,
-    )
+    trainer = demo_trainer(AsyncA3POTrainer, _model_dir(options.model), args, train, lora=options.lora)
     start = time.perf_counter()
     trainer.train()
     total = time.perf_counter() - start
@@ -188,12 +177,12 @@ def _run_one(options) -> dict:
     mismatch_mean = [
         h["a3po/behavior_mismatch_mean"] for h in trainer.state.log_history if "a3po/behavior_mismatch_mean" in h
     ]
-    shared = getattr(trainer._backend, "_shared", None)  # a full-weight server shared by several processes
+    shared = internals.shared_server_counts(trainer)  # a full-weight server shared by several processes
     return {
         "processes": trainer.accelerator.num_processes,
         "staleness_mean": mean("a3po/staleness_mean"),
-        "shared_server_wait_seconds_per_step": shared.wait_seconds / options.steps if shared is not None else None,
-        "shared_server_switches": shared.switches if shared is not None else None,
+        "shared_server_wait_seconds_per_step": shared["wait_seconds"] / options.steps if shared is not None else None,
+        "shared_server_switches": shared["switches"] if shared is not None else None,
         "backend": backend,
         "seconds_per_step": step,
         "generation_seconds_per_batch": generation,
@@ -207,7 +196,7 @@ def _run_one(options) -> dict:
         "behavior_mismatch_max": max(mismatch) if mismatch else None,
         "behavior_mismatch_mean": statistics.fmean(mismatch_mean) if mismatch_mean else None,
         "behavior_mismatch_steps": len(mismatch),
-        "generator_dtype": str(trainer._backend.weights.layout.dtypes[trainer._backend.trainable_names[0]]),
+        "generator_dtype": internals.generator_dtype(trainer),
         "total_seconds": total,
     }
 
@@ -263,16 +252,16 @@ def main() -> None:
         if backend == "vllm-server":
             server, url = _start_server(options, _model_dir(options.model), log_dir / "backends-server.log")
             extra = ["--server-url", url]
-        env = {**os.environ, "OMP_NUM_THREADS": str(options.threads), "VLLM_CPU_KVCACHE_SPACE": "2"}
+        env = child_environment({"OMP_NUM_THREADS": str(options.threads), "VLLM_CPU_KVCACHE_SPACE": "2"})
         if options.device == "cuda" and backend == "vllm-server":
             env["CUDA_VISIBLE_DEVICES"] = "0"
         print(f"[backends] {backend} ...", flush=True)
         launcher = [sys.executable]
-        if options.processes > 1:
+        if options.processes > 1:  # each process runs `python -m benchmarks.backends`
             launcher += ["-m", "accelerate.commands.launch", "--config_file", _launch_config(options)]
         try:
             out = subprocess.run(
-                [*launcher, __file__, *sys.argv[1:], "--run-one", backend, *extra],
+                [*launcher, "-m", "benchmarks.backends", *sys.argv[1:], "--run-one", backend, *extra],
                 env=env, capture_output=True, text=True, check=False,
             )  # fmt: skip
         finally:

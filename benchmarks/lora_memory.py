@@ -1,7 +1,7 @@
 """Extra memory of the generator's policy copy: LoRA (adapters only) against full fine-tuning (a whole copy).
 
-    python benchmarks/lora_memory.py                      # SmolLM2-135M-Instruct (offline), LoRA r=16 on all linears
-    python benchmarks/lora_memory.py --model tiny         # the tiny random Llama of the tests
+    python -m benchmarks.lora_memory                      # SmolLM2-135M-Instruct (offline), LoRA r=16 on all linears
+    python -m benchmarks.lora_memory --model tiny         # the tiny random Llama (a3po_trl.tasks.tiny_model)
 
 The generator thread of `AsyncA3POTrainer` holds an `HFGenerateBackend`: with LoRA its frozen base tensors ARE the
 trainer's (same storage) and only the adapter tensors are its own, plus a staging buffer of the same size that the
@@ -16,16 +16,10 @@ import argparse
 import gc
 import json
 import os
-import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-
-from transformers import GenerationConfig  # noqa: E402
-
-from a3po_trl.generation import HFGenerateBackend, HFGenerationSettings  # noqa: E402
+from benchmarks.common.internals import generator_memory, hf_generator
 
 
 def rss_bytes() -> int:
@@ -37,25 +31,11 @@ def rss_bytes() -> int:
         return 0
 
 
-def _storages(tensors) -> dict[int, int]:
-    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-
-
-def owned_bytes(policy: HFGenerateBackend, trainer_module: torch.nn.Module) -> dict:
-    """Bytes of the generator's tensors whose storage is not the trainer's, split into weights and staging."""
-    trainer = _storages(list(trainer_module.parameters()) + list(trainer_module.buffers()))
-    generator = _storages(list(policy.module.parameters()) + list(policy.module.buffers()))
-    own = {ptr: size for ptr, size in generator.items() if ptr not in trainer}
-    staging = policy.weights.layout.bytes_per_version  # the staging buffers the first publication allocates
-    return {"generator_weights_bytes": sum(own.values()), "staging_bytes": staging}
-
-
 def load_model(name: str):
     if name == "tiny":
-        sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-        from tiny import make_model, make_tokenizer
+        from a3po_trl.tasks.tiny_model import make_byte_tokenizer, make_tiny_llama
 
-        return make_model(make_tokenizer())
+        return make_tiny_llama(make_byte_tokenizer())
     from transformers import AutoModelForCausalLM
 
     from a3po_trl.tasks.offline_model import resolve_model_path
@@ -66,26 +46,19 @@ def load_model(name: str):
 def measure(model, label: str) -> dict:
     gc.collect()
     before = rss_bytes()
-    settings = HFGenerationSettings(GenerationConfig(), eos_token_ids=[0], pad_token_id=0)
-    policy = HFGenerateBackend(model, settings)
-    policy.publish(model, version=0)
-    assert policy.refresh()
-    params = dict(model.named_parameters())
-    assert all(torch.equal(policy._own[name], params[name]) for name in policy.trainable_names)
+    generator = hf_generator(model)
     gc.collect()
     grown = rss_bytes() - before
     trainable = [p for p in model.parameters() if p.requires_grad]
     result = {
         "setup": label,
         "model_parameters": sum(p.numel() for p in model.parameters()),
-        "copied_parameters": policy.copied_parameter_count,
-        "shared_parameters": policy.shared_parameter_count,
-        **owned_bytes(policy, model),
+        **generator_memory(generator, model),
         "publish_bytes": sum(p.numel() * p.element_size() for p in trainable),
         "rss_growth_bytes": grown,
     }
     result["extra_bytes"] = result["generator_weights_bytes"] + result["staging_bytes"]
-    del policy
+    del generator
     gc.collect()
     return result
 

@@ -1,6 +1,6 @@
 """Soak test: hundreds of asynchronous A-3PO steps on a tiny model, watching memory, threads and file handles.
 
-    python benchmarks/soak.py --steps 400 --max-staleness 4 --out soak.json
+    python -m benchmarks.soak --steps 400 --max-staleness 4 --out soak.json
 
 Prints one line per sample and a summary: resident memory after warm-up and at the end, the growth between them,
 the largest queue depth, and the thread and open-file counts before, during and after training.
@@ -11,15 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-import tempfile
 import threading
 import time
 
 from transformers import TrainerCallback
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+from benchmarks.common import internals
+from benchmarks.common.tiny import tiny_trainer
 
 
 def resident_memory_mb() -> float:
@@ -51,13 +49,13 @@ class _Probe(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step % self.every:
             return
-        engine = self.trainer.last_generation_engine
+        engine = internals.generation_engine(self.trainer)
         sample = {
             "step": state.global_step,
             "rss_mb": round(resident_memory_mb(), 1),
             "threads": threading.active_count(),
             "open_files": open_file_count(),
-            "queue_depth": len(engine.queue) if engine else 0,
+            "queue_depth": internals.queue_depth(engine) if engine else 0,
             "time": round(time.perf_counter(), 2),
         }
         self.samples.append(sample)
@@ -67,41 +65,16 @@ class _Probe(TrainerCallback):
 
 def run_soak(steps: int = 400, max_staleness: int = 4, every: int = 10, warmup_fraction: float = 0.25, verbose=True):
     """Train a tiny model for `steps` asynchronous steps and return the memory/thread/file report."""
-    from tiny import length_reward, make_model, make_prompts, make_tokenizer
-
-    from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
-
     threads_before, files_before = threading.active_count(), open_file_count()
-    tokenizer = make_tokenizer()
-    with tempfile.TemporaryDirectory() as output_dir:
-        args = AsyncA3POConfig(
-            output_dir=output_dir,
-            per_device_train_batch_size=4,
-            num_generations=4,
-            max_completion_length=8,
-            max_steps=steps,
-            max_staleness=max_staleness,
-            logging_steps=every,
-            report_to="none",
-            use_cpu=True,
-            bf16=False,
-            save_strategy="no",
-            disable_tqdm=True,
-            learning_rate=1e-3,
-        )
-        trainer = AsyncA3POTrainer(
-            model=make_model(tokenizer),
-            reward_funcs=[length_reward],
-            args=args,
-            train_dataset=make_prompts(64),
-            processing_class=tokenizer,
-        )
+    shape = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=8)  # one prompt per step
+    settings = dict(max_steps=steps, max_staleness=max_staleness, logging_steps=every, bf16=False, learning_rate=1e-3)
+    with tiny_trainer(num_prompts=64, **shape, **settings) as trainer:
         probe = _Probe(trainer, every, verbose)
         trainer.add_callback(probe)
         start = time.perf_counter()
         trainer.train()
         seconds = time.perf_counter() - start
-        engine = trainer.last_generation_engine
+        counts = internals.engine_counts(internals.generation_engine(trainer))
     samples = probe.samples
     warm = samples[max(1, int(len(samples) * warmup_fraction)) - 1]
     second_half = samples[len(samples) // 2 :]
@@ -113,10 +86,10 @@ def run_soak(steps: int = 400, max_staleness: int = 4, every: int = 10, warmup_f
         "rss_end_mb": samples[-1]["rss_mb"],
         "rss_growth_after_warmup_mb": round(samples[-1]["rss_mb"] - warm["rss_mb"], 1),
         "rss_slope_second_half_mb_per_100_steps": round(_slope(second_half) * 100, 2),
-        "max_queue_depth": engine.queue.max_depth_seen,
-        "queue_bound": engine.queue.maxsize,
-        "batches_produced": engine.produced,
-        "batches_consumed": engine.consumed,
+        "max_queue_depth": counts["max_queue_depth"],
+        "queue_bound": counts["queue_bound"],
+        "batches_produced": counts["produced"],
+        "batches_consumed": counts["consumed"],
         "threads_before": threads_before,
         "threads_during_max": max(s["threads"] for s in samples),
         "threads_after": threading.active_count(),

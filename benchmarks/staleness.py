@@ -28,13 +28,14 @@ evaluated after training (so evaluation never overlaps the measured time):
   (``a3po/behavior_drift_per_version_mean``), seconds per step (median), and the machine's load average at the start
   and end of the run.
 
-Runs are resumable, one JSON per run under ``<out>/runs/``; after the runs the script (re)writes ``<out>/summary.md``,
+Runs are resumable, one JSON per run under ``<out>/runs/``, seed by seed (:mod:`benchmarks.common.runner`, which
+also records the machine's load during each run); after the runs the script (re)writes ``<out>/summary.md``,
 ``<out>/summary.json`` and ``<out>/staleness.png`` (held-out reward and training reward per staleness, one line per
 method with its band over seeds), naming the runs still missing.
 
-    python benchmarks/staleness.py --max-runs 2                 # the next 2 missing runs, then the summary
-    python benchmarks/staleness.py --configs loglinear-s4,behavior-s4 --seeds 42
-    python benchmarks/staleness.py --summary-only               # the summary of what is there
+    python -m benchmarks.staleness --max-runs 2                 # the next 2 missing runs, then the summary
+    python -m benchmarks.staleness --configs loglinear-s4,behavior-s4 --seeds 42
+    python -m benchmarks.staleness --summary-only               # the summary of what is there
 """
 
 from __future__ import annotations
@@ -43,13 +44,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from benchmarks.common.runner import RunStore, plan, run_study, study_parser
+
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 METHODS = ("behavior", "recompute", "loglinear")
 STALENESS = (0, 2, 4, 8)
 CONFIGS = tuple(f"{method}-s{staleness}" for staleness in STALENESS for method in METHODS)
@@ -73,9 +74,7 @@ LOGGED = (
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma list of <method>-s<staleness>")
-    parser.add_argument("--seeds", default="42,43,44")
+    parser = study_parser(__doc__, configs=CONFIGS, seeds=(42, 43, 44), out=HERE / "results" / "staleness")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--temperature", type=float, default=0.7)
@@ -86,15 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--held-out", type=int, default=64, help="held-out prompts (greedy reward, KL)")
     parser.add_argument("--kl-samples", type=int, default=2, help="sampled completions per held-out prompt for KL")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="the offline SmolLM2, or a model path")
-    parser.add_argument("--out", default=str(HERE / "results" / "staleness"))
-    parser.add_argument("--max-runs", type=int, default=None, help="at most this many missing runs now")
-    parser.add_argument(
-        "--quiet-wait", type=float, default=0.0, help="seconds to wait at most, before each run, for a quiet machine"
-    )
-    parser.add_argument("--quiet-threshold", type=float, default=0.1, help="other processes' CPU share that is quiet")
-    parser.add_argument("--summary-only", "--summary", action="store_true", help="no runs, only the summary")
     parser.add_argument("--quick", action="store_true", help="4 steps, 4 held-out prompts, tiny batches (a smoke run)")
-    parser.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
     return parser
 
 
@@ -205,16 +196,15 @@ def _kl_to_initial(model, tokenizer, rows, max_tokens: int, temperature: float, 
 
 
 def _run_one(options, name: str, seed: int) -> dict:
-    """One (configuration, seed) run, in this process."""
-    load_at_start = os.getloadavg()
+    """One (configuration, seed) run, in this process (the runner adds when it ran and the machine's load)."""
     import torch
-    from comparing.machine_load import LoadMeter
     from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
     from transformers import TrainerCallback
 
     from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
     from a3po_trl.tasks.offline_model import resolve_model_path
     from a3po_trl.tasks.word_choice import make_word_choice_splits, word_choice_reward
+    from benchmarks.common.machine import LoadMeter
 
     method, staleness = _method_and_staleness(name)
     train, held_out = make_word_choice_splits(num_train=1000, num_held_out=options.held_out, seed=0)
@@ -295,8 +285,6 @@ def _run_one(options, name: str, seed: int) -> dict:
         "training_log": log,
         "train_seconds": train_seconds,
         "seconds_per_step": statistics.median(h["step_time"] for h in log if "step_time" in h),
-        "load_average_start": load_at_start,
-        "load_average_end": os.getloadavg(),
         **machine_during_training,  # foreign_cpu_frac: other processes' share of all cores during training
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
@@ -399,15 +387,13 @@ def _line_with_band(axis, xs, per_x_values, color, label) -> None:
     axis.fill_between(xs, [min(v) for v in per_x_values], [max(v) for v in per_x_values], color=color, alpha=0.15)
 
 
-def summarize(options, names, seeds) -> str:
-    runs_dir = Path(options.out) / "runs"
+def summarize(store: RunStore, options, names, seeds) -> str:
     runs: dict[str, list[dict]] = {}
-    for path in sorted(runs_dir.glob("*.json")):
-        run = json.loads(path.read_text())
-        runs.setdefault(run["config"], []).append(run)
+    for cell, run in store.records().items():
+        runs.setdefault(cell.config, []).append(run)
     for done in runs.values():
         done.sort(key=lambda run: run["seed"])
-    missing = [f"{n}@{s}" for n in names for s in seeds if not (runs_dir / f"{n}@{s}.json").exists()]
+    missing = [str(cell) for cell in store.missing(plan(names, seeds, by_seed=False))]
     header = (
         "| configuration | runs | held-out reward: before -> final (min-max) | exact replies | training reward, "
         "last 5 steps | KL to initial (nats/token) | clipped tokens | capped tokens | behavior weight: batch means, "
@@ -483,51 +469,22 @@ def summarize(options, names, seeds) -> str:
     return table
 
 
-def main() -> None:
-    options = _parser().parse_args()
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    options = _parser().parse_args(argv)
     if options.quick:
         options.steps, options.eval_every, options.held_out, options.kl_samples = 4, 2, 4, 1
         options.prompts_per_step, options.num_generations, options.max_completion_length = 1, 4, 8
-    sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(HERE))
-    from comparing.machine_load import wait_for_quiet
-
-    if options.run_one:
-        name, seed = options.run_one.rsplit("@", 1)
-        print("A3PO_RESULT " + json.dumps(_run_one(options, name, int(seed))), flush=True)
-        return
-    names = [n for n in options.configs.split(",") if n]
-    for name in names:
+    for name in options.configs:
         _method_and_staleness(name)
-    seeds = [int(s) for s in options.seeds.split(",") if s]
-    runs_dir = Path(options.out) / "runs"
-    runs_dir.mkdir(parents=True, exist_ok=True)
-    started = 0
-    for seed in seeds:  # seed by seed: a partial study has whole seeds of every configuration
-        for name in names:
-            path = runs_dir / f"{name}@{seed}.json"
-            if path.exists() or options.summary_only:
-                continue
-            if options.max_runs is not None and started >= options.max_runs:
-                break
-            started += 1
-            quiet = wait_for_quiet(options.quiet_wait, options.quiet_threshold)
-            started_at = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
-            print(f"[staleness] {name}@{seed} (load average {os.getloadavg()[0]:.2f}) ...", flush=True)
-            command = [sys.executable, __file__, *sys.argv[1:], "--run-one", f"{name}@{seed}"]
-            env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-            child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
-            results = []
-            for line in child.stdout:
-                if line.startswith("A3PO_RESULT "):
-                    results.append(line.removeprefix("A3PO_RESULT "))
-                else:
-                    print(line, end="", flush=True)
-            if child.wait() or not results:
-                raise SystemExit(f"{name}@{seed} failed (exit status {child.returncode}); its output is above.")
-            path.write_text(json.dumps({**json.loads(results[-1]), **quiet, "started_at": started_at}) + "\n")
-            print(f"[staleness] {name}@{seed} done", flush=True)
-    print(summarize(options, names, seeds))
+    run_study(
+        argv,
+        options,
+        module="benchmarks.staleness",
+        cells=plan(options.configs, options.seeds),  # seed by seed: a partial study has whole seeds of every config
+        run=lambda cell: _run_one(options, cell.config, cell.seed),
+        summarize=lambda store: summarize(store, options, options.configs, options.seeds),
+    )
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ groups without any spread, and a few replies. Tasks:
 - ``bare_sum``: "What is a + b? Reply with only the number." (a, b in 1..20, or a - b with a >= b): 1.0 for the bare
   correct number, 0.5 for the correct number as the last number of a longer reply, 0.0 otherwise.
 
-    python benchmarks/task_probe.py                       # SmolLM2-135M-Instruct, 8 prompts x 8 samples, T=0.7
+    python -m benchmarks.task_probe                       # SmolLM2-135M-Instruct, 8 prompts x 8 samples, T=0.7
 """
 
 from __future__ import annotations
@@ -19,10 +19,7 @@ import argparse
 import random
 import re
 import statistics
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 _NUMBER = re.compile(r"-?\d+")
 
 
@@ -54,7 +51,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     options = parser.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

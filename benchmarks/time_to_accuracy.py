@@ -9,32 +9,46 @@ are evaluated after training: an evaluation inside the run would let the generat
 clock leaves out. The asynchronous configurations generate with ``reproducible_generation=True``.
 
 Runs take ~20 minutes each on 2 CPU cores (~13-17 of them training), so the script is resumable: a finished run is a
-JSON file under ``<out>/runs/`` and is skipped next time; ``--max-runs`` bounds one invocation. After the runs it
-(re)writes ``<out>/summary.json``, ``<out>/summary.md`` (table: accuracy before/after with spread over seeds and the
-paired gain, s/step, total, and the wall-clock each configuration needed to reach the synchronous baseline's final
-accuracy on the subset) and ``<out>/accuracy_vs_time.png`` (one line per configuration, a band over seeds), saying
-which runs are still missing.
+JSON file under ``<out>/runs/`` and is skipped next time; ``--max-runs`` bounds one invocation (the runs go
+configuration by configuration, through :mod:`benchmarks.common.runner`, which also records the machine's load). After
+the runs it (re)writes ``<out>/summary.json``, ``<out>/summary.md`` (table: accuracy before/after with spread over
+seeds and the paired gain, s/step, total, and the wall-clock each configuration needed to reach the synchronous
+baseline's final accuracy on the subset) and ``<out>/accuracy_vs_time.png`` (one line per configuration, a band over
+seeds), saying which runs are still missing.
 
-    python benchmarks/time_to_accuracy.py --max-runs 3                    # next 3 missing runs, then the summary
-    python benchmarks/time_to_accuracy.py --summary-only                  # the summary of what is there
-    python benchmarks/time_to_accuracy.py --quick                         # tiny settings, a few minutes
+    python -m benchmarks.time_to_accuracy --max-runs 3                    # next 3 missing runs, then the summary
+    python -m benchmarks.time_to_accuracy --summary-only                  # the summary of what is there
+    python -m benchmarks.time_to_accuracy --quick                         # tiny settings, a few minutes
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from benchmarks.common.demo import demo_trainer
+from benchmarks.common.runner import RunStore, plan, run_study, study_parser
+
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 CONFIGS = ("trl", "recompute-s2", "loglinear-s1", "loglinear-s2", "loglinear-s4")
-#: The demo's training settings that every configuration shares (``examples/train_gsm8k.py``'s defaults).
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = study_parser(__doc__, configs=CONFIGS, seeds=(42, 43, 44), out=HERE / "results" / "time-to-accuracy")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--eval-problems", type=int, default=100, help="fixed subset evaluated during training")
+    parser.add_argument("--held-out", type=int, default=200, help="held-out problems before/after")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--quick", action="store_true", help="4 steps, 8 problems, 16 tokens (a smoke run)")
+    return parser
+
+
+#: The demo's training settings that every configuration shares (:func:`a3po_trl.tasks.demo_settings.demo_defaults`).
 _TRAINING_FIELDS = (
     "learning_rate",
     "per_device_train_batch_size",
@@ -48,36 +62,17 @@ _TRAINING_FIELDS = (
 )
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", default=",".join(CONFIGS))
-    parser.add_argument("--seeds", default="42,43,44", help="comma list; 42 is the demo's")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--eval-every", type=int, default=20)
-    parser.add_argument("--eval-problems", type=int, default=100, help="fixed subset evaluated during training")
-    parser.add_argument("--held-out", type=int, default=200, help="held-out problems before/after")
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--out", default=str(HERE / "results" / "time-to-accuracy"))
-    parser.add_argument("--max-runs", type=int, default=None, help="at most this many missing runs now")
-    parser.add_argument("--summary-only", action="store_true")
-    parser.add_argument("--quick", action="store_true", help="4 steps, 8 problems, 16 tokens (a smoke run)")
-    parser.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
-    return parser
-
-
 def _settings(options) -> dict:
     """The demo's settings (``examples/train_gsm8k.py``'s defaults), shrunk by ``--quick``."""
-    sys.path.insert(0, str(ROOT / "examples"))
-    from train_gsm8k import DEMO_SYSTEM_PROMPT, demo_defaults
+    from a3po_trl.tasks.demo_settings import DEMO_SYSTEM_PROMPT, demo_defaults
 
     defaults = demo_defaults([])
     training = {k: v for k, v in defaults.items() if k in _TRAINING_FIELDS}
     training.update(max_steps=options.steps, save_strategy="no", use_cpu=not _cuda())
     if options.quick:
         training["max_completion_length"] = 16
-    lora = {k: defaults[k] for k in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")}
     threads = {k: defaults.get(k) for k in ("generation_num_threads", "training_num_threads")}
-    return {"training": training, "lora": lora, "threads": threads, "system_prompt": DEMO_SYSTEM_PROMPT}
+    return {"training": training, "threads": threads, "system_prompt": DEMO_SYSTEM_PROMPT}
 
 
 def _method_and_staleness(name: str) -> tuple[str, int]:
@@ -100,27 +95,17 @@ def _data(options, system_prompt):
 
 
 def _run_one(options, name: str, seed: int) -> dict:
-    """One (configuration, seed) run, in this process."""
+    """One (configuration, seed) run, in this process (the runner adds when it ran and the machine's load)."""
     import torch
-    from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
     from a3po_trl.tasks import evaluate_accuracy
-    from a3po_trl.tasks.offline_model import resolve_model_path
-    from a3po_trl.tasks.rewards import correctness_reward, format_reward
 
     settings = _settings(options)
     train, held_out, subset = _data(options, settings["system_prompt"])
-    lora = settings["lora"]
-    peft_config = LoraConfig(
-        r=lora["lora_r"],
-        lora_alpha=lora["lora_alpha"],
-        lora_dropout=lora["lora_dropout"],
-        target_modules=lora["lora_target_modules"],
-        task_type="CAUSAL_LM",
-    )
     common = dict(output_dir=str(Path(options.out) / "work" / f"{name}@{seed}"), seed=seed, **settings["training"])
     if name == "trl":
         args, trainer_class = GRPOConfig(**common), GRPOTrainer
@@ -134,13 +119,7 @@ def _run_one(options, name: str, seed: int) -> dict:
             **(settings["threads"] if not _cuda() else {}),
         )
         trainer_class = AsyncA3POTrainer
-    trainer = trainer_class(
-        model=resolve_model_path(options.model),
-        reward_funcs=[correctness_reward, format_reward],
-        args=args,
-        train_dataset=train,
-        peft_config=peft_config,
-    )
+    trainer = demo_trainer(trainer_class, options.model, args, train)
     max_tokens = settings["training"]["max_completion_length"]
 
     def accuracy(dataset):
@@ -196,7 +175,6 @@ def _run_one(options, name: str, seed: int) -> dict:
         "train_seconds": total,
         "seconds_per_step": statistics.median(steps) if steps else total / options.steps,
         "completion_mean_length": statistics.fmean(lengths) if lengths else None,  # s/step follows it
-        "load_average": os.getloadavg(),
         # the trainer's logged metrics per step (rewards, clip ratios, importance weights, staleness, timings)
         "training_log": [
             {k: round(v, 6) for k, v in h.items() if isinstance(v, (int, float)) and k not in ("epoch", "step")}
@@ -207,16 +185,13 @@ def _run_one(options, name: str, seed: int) -> dict:
     }
 
 
-def _summarize(options, names, seeds) -> str:
-    sys.path.insert(0, str(ROOT))
+def _summarize(store: RunStore, options, names, seeds) -> str:
     from a3po_trl.tasks.evaluation import paired_accuracy_test
 
-    runs_dir = Path(options.out) / "runs"
     runs = {}
-    for path in sorted(runs_dir.glob("*.json")):
-        run = json.loads(path.read_text())
-        runs.setdefault(run["config"], []).append(run)
-    missing = [f"{n}@{s}" for n in names for s in seeds if not (runs_dir / f"{n}@{s}.json").exists()]
+    for cell, run in store.records().items():
+        runs.setdefault(cell.config, []).append(run)
+    missing = [str(cell) for cell in store.missing(plan(names, seeds, by_seed=False))]
     tests = {
         (r["config"], r["seed"]): paired_accuracy_test(r["before_correct"], r["after_correct"])
         for done in runs.values()
@@ -348,43 +323,19 @@ def _plot(runs, names, path: Path) -> None:
     plt.close(figure)
 
 
-def main() -> None:
-    options = _parser().parse_args()
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    options = _parser().parse_args(argv)
     if options.quick:
         options.steps, options.eval_every, options.eval_problems, options.held_out = 4, 2, 8, 8
-    if options.run_one:
-        name, seed = options.run_one.rsplit("@", 1)
-        print("A3PO_RESULT " + json.dumps(_run_one(options, name, int(seed))), flush=True)
-        return
-    names = [n for n in options.configs.split(",") if n]
-    seeds = [int(s) for s in options.seeds.split(",") if s]
-    runs_dir = Path(options.out) / "runs"
-    runs_dir.mkdir(parents=True, exist_ok=True)
-    started = 0
-    for name in names:
-        for seed in seeds:
-            path = runs_dir / f"{name}@{seed}.json"
-            if path.exists() or options.summary_only:
-                continue
-            if options.max_runs is not None and started >= options.max_runs:
-                break
-            started += 1
-            print(f"[tta] {name}@{seed} (load average {os.getloadavg()[0]:.2f}) ...", flush=True)
-            command = [sys.executable, __file__, *sys.argv[1:], "--run-one", f"{name}@{seed}"]
-            env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-            # the run's progress (its [tta] lines on stdout, the trainer's bar on stderr) passes through
-            child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
-            results = []
-            for line in child.stdout:
-                if line.startswith("A3PO_RESULT "):
-                    results.append(line.removeprefix("A3PO_RESULT "))
-                else:
-                    print(line, end="", flush=True)
-            if child.wait() or not results:
-                raise SystemExit(f"{name}@{seed} failed (exit status {child.returncode}); its output is above.")
-            path.write_text(results[-1].rstrip("\n") + "\n")
-            print(f"[tta] {name}@{seed} done", flush=True)
-    print(_summarize(options, names, seeds))
+    run_study(
+        argv,
+        options,
+        module="benchmarks.time_to_accuracy",
+        cells=plan(options.configs, options.seeds, by_seed=False),
+        run=lambda cell: _run_one(options, cell.config, cell.seed),
+        summarize=lambda store: _summarize(store, options, options.configs, options.seeds),
+    )
 
 
 if __name__ == "__main__":

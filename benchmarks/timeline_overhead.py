@@ -1,7 +1,7 @@
 """What recording the timeline costs: per span, per optimizer step, and end to end, timeline on vs off.
 
-    python benchmarks/timeline_overhead.py [--steps 12] [--pairs 3] [--out benchmarks/results/timeline_overhead.json]
-    python benchmarks/timeline_overhead.py --smoke      # seconds: every measurement at a tiny size (the test suite's)
+    python -m benchmarks.timeline_overhead [--steps 12] [--pairs 3] [--out benchmarks/results/timeline_overhead.json]
+    python -m benchmarks.timeline_overhead --smoke      # seconds: every measurement at a tiny size (the test suite's)
 
 Three measurements, reported, never asserted:
 
@@ -21,12 +21,10 @@ import json
 import logging
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
+from benchmarks.common.tiny import tiny_trainer
 
 
 def per_span_seconds(enabled: bool, calls: int = 200_000) -> float:
@@ -57,34 +55,9 @@ def trace_write_seconds(spans: int | None = None) -> float:
 
 def run(timeline: bool, steps: int) -> tuple[float, int]:
     """Median step time (s) of one run (the first two steps left out), and the spans it recorded."""
-    from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
-    from a3po_trl.tasks.tiny_model import length_reward, make_byte_tokenizer, make_sum_prompts, make_tiny_llama
-
-    tokenizer = make_byte_tokenizer()
-    with tempfile.TemporaryDirectory() as folder:
-        args = AsyncA3POConfig(
-            output_dir=folder,
-            per_device_train_batch_size=8,
-            num_generations=4,
-            max_completion_length=16,
-            max_steps=steps,
-            max_staleness=1,
-            learning_rate=1e-2,
-            logging_steps=1,
-            report_to="none",
-            use_cpu=True,
-            save_strategy="no",
-            seed=0,
-            timeline=timeline,
-            disable_tqdm=True,
-        )
-        trainer = AsyncA3POTrainer(
-            model=make_tiny_llama(tokenizer),
-            reward_funcs=[length_reward],
-            args=args,
-            train_dataset=make_sum_prompts(16),
-            processing_class=tokenizer,
-        )
+    shape = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=16)  # compare --quick's
+    settings = dict(max_steps=steps, max_staleness=1, learning_rate=1e-2, logging_steps=1, seed=0, timeline=timeline)
+    with tiny_trainer(num_prompts=16, **shape, **settings) as trainer:
         trainer.train()
         times = [h["step_time"] for h in trainer.state.log_history if "step_time" in h][2:]
         return statistics.median(times), len(trainer.timeline.spans())

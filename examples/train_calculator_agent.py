@@ -34,12 +34,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import trl
-from train_gsm8k import JsonlMetricsCallback, demo_defaults
+from train_gsm8k import JsonlMetricsCallback
 from transformers import AutoTokenizer
 from trl import ModelConfig, TrlParser, get_peft_config
 
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
 from a3po_trl.tasks import make_math_splits
+from a3po_trl.tasks.demo_settings import demo_defaults
 from a3po_trl.tasks.offline_model import resolve_model_path
 from a3po_trl.tasks.rewards import correctness_reward
 

@@ -31,23 +31,19 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from transformers import TrainerCallback
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
 from a3po_trl.tasks import evaluate_accuracy, load_gsm8k, make_math_splits, plot_training
+from a3po_trl.tasks.demo_settings import DEMO_SYSTEM_PROMPT, demo_defaults
 from a3po_trl.tasks.evaluation import paired_accuracy_test
-from a3po_trl.tasks.offline_model import DEFAULT_MODEL, resolve_model_path
+from a3po_trl.tasks.offline_model import resolve_model_path
 from a3po_trl.tasks.rewards import correctness_reward, format_reward
-
-#: System prompt of the demo: short answers fit the small completion budget a CPU run can afford.
-DEMO_SYSTEM_PROMPT = "Answer briefly. End with '#### <number>'."
 
 
 @dataclass
@@ -83,65 +79,6 @@ class DemoArguments:
         default="timeline.png", metadata={"help": "PNG of the last steps of the pipeline's timeline, in output_dir."}
     )
     timeline_steps: int = field(default=20, metadata={"help": "Optimizer steps drawn in the timeline PNG."})
-
-
-def _flag_is_set(argv: list[str], name: str) -> bool:
-    """Whether a boolean flag ``--name`` is turned on in ``argv`` (``--name``, ``--name true``, ``--name=1``)."""
-    for index, arg in enumerate(argv):
-        if arg == f"--{name}":
-            following = argv[index + 1].lower() if index + 1 < len(argv) else ""
-            return following not in ("false", "0", "no")
-        if arg.startswith(f"--{name}="):
-            return arg.split("=", 1)[1].lower() not in ("false", "0", "no")
-    return False
-
-
-def demo_defaults(argv: list[str] | None = None) -> dict:
-    """Defaults of this script that differ from `AsyncA3POConfig`'s / `ModelConfig`'s (a CPU-friendly demo).
-
-    On CPU (no CUDA device, or ``--use_cpu``): bf16 off (GRPOConfig turns it on by default, which makes CPU runs
-    slow), and the cores of this process split between the generation thread and the training thread.
-    """
-    argv = sys.argv[1:] if argv is None else argv
-    on_cpu = not torch.cuda.is_available() or _flag_is_set(argv, "use_cpu")
-    defaults = dict(
-        model_name_or_path=DEFAULT_MODEL,
-        output_dir="outputs/train_gsm8k",
-        # LoRA r=16 on every linear layer at lr 2e-4 (the measured demo: docs/LIMITATIONS.md); `--use_peft false`
-        # fine-tunes every weight (then lower the learning rate, e.g. 2e-5)
-        use_peft=True,
-        lora_r=16,
-        lora_alpha=32,
-        lora_dropout=0.0,
-        lora_target_modules="all-linear",
-        learning_rate=2e-4,
-        max_steps=60,
-        per_device_train_batch_size=8,
-        num_generations=4,  # two problems per step: more distinct problems for the same compute
-        max_completion_length=64,
-        # a low sampling temperature keeps the training samples close to the greedy answers that the held-out
-        # accuracy scores (measured: T=0.7 gave +3 points, T=0.4 +12 points, same everything else)
-        temperature=0.4,
-        # correctness only: the format reward is computed and logged, but rewarding it pulled SmolLM2 towards terse
-        # "#### N" answers with wrong arithmetic within 50 steps
-        reward_weights=[1.0, 0.0],
-        max_staleness=1,
-        gradient_checkpointing=False,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=42,
-    )
-    if on_cpu:
-        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        cores = max(1, (os.cpu_count() or 1) // local_processes)
-        generation_threads = max(1, cores // 2)
-        defaults.update(
-            bf16=False,
-            generation_num_threads=generation_threads,
-            training_num_threads=max(1, cores - generation_threads),
-        )
-    return defaults
 
 
 def make_parser() -> TrlParser:

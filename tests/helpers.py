@@ -5,8 +5,9 @@ model). No test file imports another ``test_*.py`` file; what
 two of them use lives here or in ``tiny.py`` (as TRL keeps its shared test helpers in ``tests/testing_utils.py``).
 
 A module of its own rather than more of ``tiny.py``: ``tiny.py`` holds *what* is trained (offline tokenizers, random
-models, prompts, rewards), imports nothing of ``a3po_trl`` and is imported by the benchmarks as well; this module
-holds *how* the tests build, run and inspect the trainer, and so depends on the package.
+models, prompts, rewards) and imports nothing of ``a3po_trl`` (the benchmarks use its twin,
+``a3po_trl.tasks.tiny_model``); this module holds *how* the tests build, run and inspect the trainer, and so depends
+on the package.
 """
 
 from __future__ import annotations

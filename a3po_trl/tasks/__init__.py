@@ -1,7 +1,8 @@
 """The GSM8K / SmolLM2 demo application built on the trainer: math problems (:mod:`.problems`), their rewards
 (:mod:`.rewards`), held-out evaluation (:mod:`.evaluation`), the offline SmolLM2 model (:mod:`.offline_model`), the
-training plots (:mod:`.plotting`), and the word-choice task of the staleness study (:mod:`.word_choice`). The
-trainer never imports this package; ``import a3po_trl`` does not load it."""
+training plots (:mod:`.plotting`), the demo's settings (:mod:`.demo_settings`), the word-choice task of the staleness
+study (:mod:`.word_choice`) and a tiny random model for smoke runs (:mod:`.tiny_model`). The trainer never imports this
+package; ``import a3po_trl`` does not load it."""
 
 from .evaluation import evaluate_accuracy, paired_accuracy_test
 from .offline_model import DEFAULT_MODEL, ModelCacheError, ensure_smollm2, resolve_model_path

@@ -1,6 +1,7 @@
 """A tiny random model, built offline in milliseconds, for benchmark smoke runs and measurements of the trainer's own
 overhead (where the model's quality does not matter): a byte-level tokenizer with a ChatML template, a 2-layer Llama
-with hidden size 32, arithmetic prompts and a length reward. The same shapes as the test suite's fixtures."""
+with hidden size 32, arithmetic prompts, a length reward and a digit reward. The same shapes as the test suite's
+fixtures."""
 
 from __future__ import annotations
 
@@ -66,3 +67,10 @@ def length_reward(completions, **kwargs) -> list[float]:
     """Rewards longer completions: a dense signal that is always defined."""
     texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
     return [len(text) / 10.0 for text in texts]
+
+
+def digit_reward(completions, **kwargs) -> list[float]:
+    """Rewards digits (a quarter per digit): a dense signal on arithmetic prompts, so that a random model's groups
+    differ and its advantages are not all zero."""
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [sum(ch.isdigit() for ch in text) / 4.0 for text in texts]

@@ -7,7 +7,7 @@ task tests following the constraint, not knowledge.
 Why this task, for studies that compare training methods (``benchmarks/staleness.py``): differences between methods
 only show if the reward moves quickly and alike across seeds, which needs a behaviour the model already samples now
 and then (GRPO learns only from groups whose rewards differ), far from saturated, and needing no knowledge the model
-lacks. ``python benchmarks/task_probe.py`` (SmolLM2-135M-Instruct before training, 8 prompts x 8 samples at
+lacks. ``python -m benchmarks.task_probe`` (SmolLM2-135M-Instruct before training, 8 prompts x 8 samples at
 temperature 0.7, 16 new tokens; seeds 0 and 1): mean reward 0.10 and 0.13 of a possible 1.0, 4 and 5 of 64 replies
 exact, at most 1 of 8 groups without spread. With the same settings, "What is a + b? Reply with only the number."
 (a, b up to 20) scored 0.04 with no exact reply and 6 of 8 groups without spread: the model gets most sums wrong, so

@@ -1,25 +1,20 @@
-"""benchmarks/compare.py: the plan covers every configuration, and a short run writes a complete, sane report.
+"""``python -m benchmarks.compare``: the plan covers every configuration, and a short run writes a complete, sane
+report.
 
 Timings are never asserted (the machine is shared and small); only that they were measured and are positive.
 """
 
-import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
 
+from benchmarks.compare import cli as compare
+from benchmarks.compare.plan import build_plan, common_settings
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "benchmarks", "compare.py")
 STALENESS = (0, 1, 2, 4)
-
-
-def load_compare():
-    spec = importlib.util.spec_from_file_location("a3po_compare", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def expected_names(single_thread_trl: bool) -> set[str]:
@@ -29,23 +24,21 @@ def expected_names(single_thread_trl: bool) -> set[str]:
 
 
 def test_quick_plan_keeps_every_configuration():
-    compare = load_compare()
     options = compare.parse_args(["--quick"])
-    plan = compare.build_plan(options)
+    plan = build_plan(options)
     assert options.model == "tiny" and options.staleness == list(STALENESS)
     assert options.steps > options.warmup_steps
     assert {c["name"] for c in plan} == expected_names((os.cpu_count() or 1) > 1)
     assert len(plan) == len({c["run_id"] for c in plan})
     assert all(c["threads"]["training"] == 1 and c["threads"]["generation"] == 1 for c in plan if c["kind"] == "a3po")
-    assert compare.common_settings(options)["bf16"] is False  # GRPOConfig's bf16=True default is overridden on CPU
+    assert common_settings(options)["bf16"] is False  # GRPOConfig's bf16=True default is overridden on CPU
 
 
 def test_extra_seeds_only_for_the_selected_configurations():
-    compare = load_compare()
     options = compare.parse_args(
         ["--model", "smollm2", "--seeds", "3", "--sync-threads", "2", "--extra-seeds-for", "trl,loglinear-s1"]
     )
-    plan = compare.build_plan(options)
+    plan = build_plan(options)
     repeated = {c["run_id"] for c in plan if c["seed"] > 0}
     assert repeated == {f"{n}@seed{s}" for n in ("trl", "trl-t1", "loglinear-s1") for s in (1, 2)}
     assert sum(c["name"] == "microbench" for c in plan) == 1
@@ -54,7 +47,8 @@ def test_extra_seeds_only_for_the_selected_configurations():
 
 def run_compare(tmp_path, *args, name="bench", timeout=900):
     out = tmp_path / "results"
-    command = [sys.executable, SCRIPT, "--quiet-wait", "0", "--out", str(out), "--name", name, *args]
+    command = [sys.executable, "-m", "benchmarks.compare", "--quiet-wait", "0", "--out", str(out), "--name", name]
+    command += args
     completed = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     with open(out / f"{name}.json") as f:
@@ -180,7 +174,9 @@ def test_fresh_subprocess_per_configuration_and_merge(tmp_path):
     runs (--merge-from)."""
     common = ("--quick", "--sync-threads", "1", "--steps", "3", "--warmup-steps", "1")
     first, out = run_compare(tmp_path, *common, "--configs", "trl", name="first")
-    assert set(first["configs"]) == {"trl"} and not os.path.exists(out / "first.partial.json")
+    assert set(first["configs"]) == {"trl"} and not os.path.exists(out / "first.runs")  # the report holds them all
+    (run,) = first["records"]
+    assert run["run_seconds"] > run["result"]["train_seconds"] and run["machine"]["cpu_count"] >= 1  # the runner's
     report, out = run_compare(
         tmp_path, *common, "--configs", "trl,loglinear-s2", "--merge-from", str(out / "first.json"), name="bench"
     )
@@ -202,9 +198,8 @@ def test_fresh_subprocess_per_configuration_and_merge(tmp_path):
 def test_lora_memory_report_on_the_tiny_model(tmp_path):
     """benchmarks/lora_memory.py: the LoRA generator shares the base and owns only adapter-sized tensors."""
     out = tmp_path / "lora_memory.json"
-    script = os.path.join(ROOT, "benchmarks", "lora_memory.py")
     completed = subprocess.run(
-        [sys.executable, script, "--model", "tiny", "--lora-r", "2", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.lora_memory", "--model", "tiny", "--lora-r", "2", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -5,7 +5,7 @@ Most scripts have their run in a file of their own (``SMOKE_TESTS`` names it); t
 """
 
 import ast
-import importlib.util
+import importlib
 import json
 import math
 import os
@@ -14,39 +14,42 @@ import re
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCHMARKS = os.path.join(ROOT, "benchmarks")
 SMOKE_TESTS = {
-    "backends.py": ("tests/integration/test_vllm.py", "test_backends_benchmark_reports_every_field"),
-    "compare.py": ("tests/end_to_end/test_benchmark.py", "test_quick_benchmark_writes_a_complete_report"),
-    "lora_memory.py": ("tests/end_to_end/test_benchmark.py", "test_lora_memory_report_on_the_tiny_model"),
-    "soak.py": ("tests/end_to_end/test_soak.py", "test_short_soak_has_no_leaks"),
-    "staleness.py": (
+    "backends": ("tests/integration/test_vllm.py", "test_backends_benchmark_reports_every_field"),
+    "compare": ("tests/end_to_end/test_benchmark.py", "test_quick_benchmark_writes_a_complete_report"),
+    "lora_memory": ("tests/end_to_end/test_benchmark.py", "test_lora_memory_report_on_the_tiny_model"),
+    "soak": ("tests/end_to_end/test_soak.py", "test_short_soak_has_no_leaks"),
+    "staleness": (
         "tests/end_to_end/test_staleness_study.py",
         "test_quick_study_records_every_field_summarizes_and_resumes",
     ),
-    "task_probe.py": ("tests/end_to_end/test_benchmark_scripts.py", "test_task_probe_runs_on_a_tiny_model"),
-    "time_to_accuracy.py": (
+    "task_probe": ("tests/end_to_end/test_benchmark_scripts.py", "test_task_probe_runs_on_a_tiny_model"),
+    "time_to_accuracy": (
         "tests/end_to_end/test_time_to_accuracy.py",
         "test_quick_run_summarizes_and_skips_finished_runs",
     ),
-    "timeline_overhead.py": (
+    "timeline_overhead": (
         "tests/end_to_end/test_benchmark_scripts.py",
         "test_timeline_overhead_smoke_run_measures_everything",
     ),
 }
-"""Benchmark script -> the test that runs it at a tiny size."""
+"""Benchmark script (``python -m benchmarks.<script>``) -> the test that runs it at a tiny size."""
+
+
+def benchmark_scripts() -> list[str]:
+    """The modules of benchmarks/ that run as scripts: its files, and its packages with a ``__main__``
+    (``common``, the shared library, has none)."""
+    entries = os.listdir(BENCHMARKS)
+    files = [name.removesuffix(".py") for name in entries if name.endswith(".py") and name != "__init__.py"]
+    packages = [name for name in entries if os.path.exists(os.path.join(BENCHMARKS, name, "__main__.py"))]
+    return sorted(files + packages)
 
 
 def load_script(name):
-    spec = importlib.util.spec_from_file_location(
-        f"benchmark_{name.removesuffix('.py')}", os.path.join(BENCHMARKS, name)
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 def test_every_benchmark_script_has_a_smoke_test():
-    scripts = sorted(name for name in os.listdir(BENCHMARKS) if name.endswith(".py"))
-    assert scripts == sorted(SMOKE_TESTS), "add the new script's tiny run to SMOKE_TESTS"
+    assert benchmark_scripts() == sorted(SMOKE_TESTS), "add the new script's tiny run to SMOKE_TESTS"
     for script, (path, function) in SMOKE_TESTS.items():
         tree = ast.parse(open(os.path.join(ROOT, path)).read())
         defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
@@ -54,7 +57,7 @@ def test_every_benchmark_script_has_a_smoke_test():
 
 
 def test_timeline_overhead_smoke_run_measures_everything(tmp_path):
-    results = load_script("timeline_overhead.py").main(["--smoke", "--out", str(tmp_path / "overhead.json")])
+    results = load_script("timeline_overhead").main(["--smoke", "--out", str(tmp_path / "overhead.json")])
     assert json.loads((tmp_path / "overhead.json").read_text()) == json.loads(json.dumps(results))
     for key in ("record_seconds_on", "record_seconds_off", "trace_write_seconds_1k_spans", "step_time_on"):
         assert math.isfinite(results[key]) and results[key] > 0, key
@@ -68,7 +71,7 @@ def test_task_probe_runs_on_a_tiny_model(tmp_path, capsys):
     tokenizer = make_byte_tokenizer()
     make_tiny_llama(tokenizer).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    load_script("task_probe.py").main(
+    load_script("task_probe").main(
         ["--model", str(tmp_path), "--prompts", "2", "--samples", "2", "--max-new-tokens", "3"]
     )
     out = capsys.readouterr().out

@@ -1,12 +1,8 @@
 """A short soak: many asynchronous steps leak no thread, no file handle, no batch, and little memory."""
 
-import os
-import sys
 import threading
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
-
-from soak import run_soak  # noqa: E402
+from benchmarks.soak import run_soak
 
 
 def test_short_soak_has_no_leaks():

@@ -1,7 +1,6 @@
 """benchmarks/staleness.py end to end on a tiny random model: runs, every reported field, the summary, the plot, and
 resuming (finished runs are skipped, missing ones are named)."""
 
-import importlib.util
 import json
 import os
 import re
@@ -13,8 +12,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 from tiny import make_model
 
+from benchmarks import staleness as study
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "benchmarks", "staleness.py")
 
 
 @pytest.mark.slow
@@ -24,10 +24,11 @@ def test_quick_study_records_every_field_summarizes_and_resumes(tokenizer, tmp_p
     tokenizer.save_pretrained(model_dir)
     out = tmp_path / "study"
     configs = "behavior-s2,loglinear-s0"
-    command = [sys.executable, SCRIPT, "--quick", "--configs", configs, "--seeds", "1", "--model", str(model_dir)]
-    command += ["--out", str(out)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}
-    subprocess.run(command, check=True, timeout=900, env=env, capture_output=True, text=True)
+    command = [sys.executable, "-m", "benchmarks.staleness", "--quick", "--configs", configs, "--seeds", "1"]
+    command += ["--model", str(model_dir), "--out", str(out)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    first = subprocess.run(command, check=True, timeout=900, env=env, capture_output=True, text=True, cwd=ROOT)
+    assert "[staleness] behavior-s2@1 (" in first.stdout  # the run's line, which a resumed study does not print
 
     runs = {path.stem: json.loads(path.read_text()) for path in (out / "runs").glob("*.json")}
     assert set(runs) == {"behavior-s2@1", "loglinear-s0@1"}
@@ -50,6 +51,7 @@ def test_quick_study_records_every_field_summarizes_and_resumes(tokenizer, tmp_p
         assert run["seconds_per_step"] > 0 and run["train_seconds"] > 0
         assert len(run["load_average_start"]) == 3 and len(run["load_average_end"]) == 3
         assert 0 <= run["foreign_cpu_frac"] <= 1 and run["quiet_wait_seconds"] >= 0
+        assert 0 <= run["foreign_cpu_frac_run"] <= 1 and run["run_seconds"] > run["train_seconds"]
         assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", run["started_at"])
     # reproducible_generation: after the first batches, the behavior run trains on samples exactly 2 steps old
     stale = runs["behavior-s2@1"]["training_log"]
@@ -78,24 +80,18 @@ def test_quick_study_records_every_field_summarizes_and_resumes(tokenizer, tmp_p
     assert (out / "staleness.png").stat().st_size > 0
 
     # a second invocation skips the finished runs; a wider plan names the run it has not made
-    again = subprocess.run(command, check=True, timeout=600, env=env, capture_output=True, text=True)
+    kept = {path.name: path.read_text() for path in (out / "runs").glob("*.json")}
+    again = subprocess.run(command, check=True, timeout=600, env=env, capture_output=True, text=True, cwd=ROOT)
     assert "[staleness] behavior-s2@1 (" not in again.stdout
+    assert {path.name: path.read_text() for path in (out / "runs").glob("*.json")} == kept
     wider = [*command, "--configs", f"{configs},recompute-s4", "--summary-only"]
-    subprocess.run(wider, check=True, timeout=600, env=env, capture_output=True, text=True)
+    subprocess.run(wider, check=True, timeout=600, env=env, capture_output=True, text=True, cwd=ROOT)
     assert "Missing runs: recompute-s4@1." in (out / "summary.md").read_text()
-
-
-def _study_module():
-    spec = importlib.util.spec_from_file_location("staleness_study", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_kl_to_initial_is_the_exact_per_token_kl_of_the_adapter_against_the_base_model(tokenizer):
     """The study's KL: zero for an adapter that changes nothing, and on one unpadded prompt the mean over sampled
     tokens of the full-vocabulary KL(adapted || base) at the sampling temperature, computed here independently."""
-    study = _study_module()
     tokenizer.padding_side = "left"
     lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
     model = get_peft_model(make_model(tokenizer), lora).eval()

@@ -8,15 +8,15 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "benchmarks", "time_to_accuracy.py")
 
 
 @pytest.mark.slow
 def test_quick_run_summarizes_and_skips_finished_runs(tmp_path):
     out = tmp_path / "tta"
-    command = [sys.executable, SCRIPT, "--quick", "--configs", "trl,loglinear-s1", "--seeds", "1", "--out", str(out)]
+    command = [sys.executable, "-m", "benchmarks.time_to_accuracy", "--quick", "--configs", "trl,loglinear-s1"]
+    command += ["--seeds", "1", "--out", str(out)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    subprocess.run(command, check=True, timeout=1200, env=env)
+    subprocess.run(command, check=True, timeout=1200, env=env, cwd=ROOT)
     runs = {path.stem: json.loads(path.read_text()) for path in (out / "runs").glob("*.json")}
     assert set(runs) == {"trl@1", "loglinear-s1@1"}
     for run in runs.values():
@@ -28,12 +28,15 @@ def test_quick_run_summarizes_and_skips_finished_runs(tmp_path):
         norms = [point["adapter_norm"] for point in run["curve"][1:]]
         assert len(set(norms)) == len(norms), norms
         assert run["curve"][-1]["accuracy"] == run["after"]
+        assert run["run_seconds"] > run["train_seconds"] > 0 and len(run["load_average_end"]) == 3  # the runner's
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["configs"]) == {"trl", "loglinear-s1"} and summary["missing"] == []
     assert (out / "accuracy_vs_time.png").stat().st_size > 0
     # a second invocation finds every run done and only rewrites the summary; a wider plan names what is missing
-    again = subprocess.run(command, check=True, timeout=600, env=env, capture_output=True, text=True)
-    assert "[tta] trl@1 (" not in again.stdout and "[tta] loglinear-s1@1 (" not in again.stdout
-    wider = [*command[:4], "trl,loglinear-s1,loglinear-s2", *command[5:], "--summary-only"]
-    subprocess.run(wider, check=True, timeout=600, env=env, capture_output=True, text=True)
+    kept = {path.name: path.read_text() for path in (out / "runs").glob("*.json")}
+    again = subprocess.run(command, check=True, timeout=600, env=env, capture_output=True, text=True, cwd=ROOT)
+    assert "[time_to_accuracy] trl@1 (" not in again.stdout and "loglinear-s1@1 (" not in again.stdout
+    assert {path.name: path.read_text() for path in (out / "runs").glob("*.json")} == kept
+    wider = [*command, "--configs", "trl,loglinear-s1,loglinear-s2", "--summary-only"]
+    subprocess.run(wider, check=True, timeout=600, env=env, capture_output=True, text=True, cwd=ROOT)
     assert "Missing runs: loglinear-s2@1." in (out / "summary.md").read_text()

@@ -543,13 +543,13 @@ def test_backends_benchmark_reports_every_field(tokenizer, tmp_path):
     make_vllm_model(tokenizer).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     out = tmp_path / "backends.json"
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "benchmarks", "backends.py")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     command = [
-        sys.executable, script, "--model", str(model_dir), "--backends", "generate,vllm-colocate", "--steps", "3",
-        "--warmup", "1", "--batch", "4", "--num-generations", "4", "--max-completion-length", "8",
+        sys.executable, "-m", "benchmarks.backends", "--model", str(model_dir), "--backends", "generate,vllm-colocate",
+        "--steps", "3", "--warmup", "1", "--batch", "4", "--num-generations", "4", "--max-completion-length", "8",
         "--max-model-len", "512", "--out", str(out),
     ]  # fmt: skip
-    subprocess.run(command, check=True, timeout=900)
+    subprocess.run(command, check=True, timeout=900, cwd=root)
     report = json.loads(out.read_text())
     assert [r["backend"] for r in report["results"]] == ["generate", "vllm-colocate"]
     for row in report["results"]:

@@ -156,6 +156,17 @@ def common_settings(options) -> dict:
         "num_prompts": options.num_prompts,
         "difficulty": options.difficulty,
         "isolation": options.isolation,
-        "quiet_wait": options.quiet_wait,
-        "quiet_threshold": options.quiet_threshold,
+    }
+
+
+def run_settings(options) -> dict:
+    """What a run's result depends on besides its configuration and seed: runs kept under other settings are not
+    reused (``RunStore.check_settings``)."""
+    threads = {"sync": options.sync_threads, "generation": options.generation_threads}
+    threads["training"] = options.training_threads
+    return {
+        **common_settings(options),
+        "threads": threads,
+        "omp_wait_policy": options.omp_wait_policy,
+        "microbench_reps": options.microbench_reps,
     }

@@ -5,8 +5,9 @@ from __future__ import annotations
 import tempfile
 import time
 
-from .machine_load import LoadMeter, wait_for_quiet
-from .trainers import arithmetic_dataset, load_model_and_tokenizer, reward_functions
+from benchmarks.common.machine import LoadMeter
+
+from .trainers import make_trainer
 
 
 def run_microbench(config, common) -> dict:
@@ -15,31 +16,14 @@ def run_microbench(config, common) -> dict:
 
     import torch
 
-    from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer, approximate_proximal_logps
+    from a3po_trl import approximate_proximal_logps
 
     cuda = common["device"] == "cuda"
-    model, tokenizer, model_name = load_model_and_tokenizer(common)
-    dataset = arithmetic_dataset(common)
+    # the trainer of a recompute configuration, for its forward; it never trains
+    recompute_config = {"kind": "a3po", "method": "recompute", "max_staleness": 0, "async_generation": False}
     with tempfile.TemporaryDirectory(prefix="a3po-compare-") as output_dir:
-        args = AsyncA3POConfig(
-            output_dir=output_dir,
-            per_device_train_batch_size=common["batch_size"],
-            num_generations=common["num_generations"],
-            max_completion_length=common["max_completion_length"],
-            max_steps=1,
-            report_to="none",
-            save_strategy="no",
-            bf16=common["bf16"],
-            use_cpu=not cuda,
-            prox_logp_method="recompute",
-        )
-        trainer = AsyncA3POTrainer(
-            model=model,
-            reward_funcs=reward_functions(common),
-            args=args,
-            train_dataset=dataset,
-            processing_class=tokenizer,
-        )
+        trainer, model_name = make_trainer({**config, **recompute_config}, common, output_dir)
+        tokenizer, dataset = trainer.processing_class, trainer.train_dataset
         trainer.model.train()  # as in training (the recompute forward runs while the model is in train mode)
         device = trainer.accelerator.device
         batch, length = common["batch_size"], common["max_completion_length"]
@@ -81,7 +65,6 @@ def run_microbench(config, common) -> dict:
             return stats.median(times), times
 
         results = []
-        quiet = wait_for_quiet(common["quiet_wait"], common["quiet_threshold"])
         for threads in config["thread_counts"]:
             if threads is not None:
                 torch.set_num_threads(threads)
@@ -105,5 +88,4 @@ def run_microbench(config, common) -> dict:
         "sequence_tokens": int(input_ids.size(1)),
         "staleness": 2,
         "by_threads": results,
-        **quiet,
     }

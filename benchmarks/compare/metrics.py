@@ -119,8 +119,10 @@ def summarize_run(record, common, final_window: int) -> dict:
     summary["peak_rss_mb"] = record.get("peak_rss_mb")
     summary["peak_rss_method"] = record.get("peak_rss_method")
     summary["cuda_peak_allocated_mb"] = result.get("cuda_peak_allocated_mb")
-    for key in ("foreign_cpu_frac", "steal_frac", "own_cpu_frac", "quiet_wait_seconds", "foreign_cpu_frac_before"):
+    for key in ("foreign_cpu_frac", "steal_frac", "own_cpu_frac"):  # during training
         summary[key] = result.get(key)
+    for key in ("quiet_wait_seconds", "foreign_cpu_frac_before"):  # the runner's; reports of 2026 have them in result
+        summary[key] = record[key] if key in record else result.get(key)
     summary["engine"] = result.get("engine")
     if config["kind"] == "pieces":
         waits = [series["trainer_wait_time"][i] for i in post]

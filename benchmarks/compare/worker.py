@@ -1,25 +1,26 @@
-"""The worker subprocess: runs the configurations of a spec file one after another and writes their raw records.
+"""The worker subprocess's side: one configuration's run and its record.
 
-Each record holds the configuration, the software versions, the result (or the error) and the peak memory. The
-records file is rewritten after every configuration, so a crash keeps what finished.
+The record holds the configuration, the software versions, the result and the peak memory; the runner
+(:mod:`benchmarks.common.runner`) adds when it ran and the machine's load.
 """
 
 from __future__ import annotations
 
-import json
+import functools
 import os
 import platform
-import sys
 import tempfile
 import time
 
-from .machine_load import LoadMeter, wait_for_quiet
+from benchmarks.common import internals
+from benchmarks.common.machine import LoadMeter, load_average
+
 from .metrics import per_step_series
 from .microbench import run_microbench
-from .paths import ROOT, TESTS
 from .trainers import make_trainer, step_timer_callback
 
 
+@functools.cache
 def _env_info() -> dict:
     import torch
     import transformers
@@ -78,14 +79,13 @@ def run_training_config(config, common) -> dict:
         if cuda:
             for index in range(torch.cuda.device_count()):
                 torch.cuda.reset_peak_memory_stats(index)
-        quiet = wait_for_quiet(common["quiet_wait"], common["quiet_threshold"])
         meter = LoadMeter().start()
         start = time.perf_counter()
         trainer.train()
         wall = time.perf_counter() - start
         load = meter.stop()
         series = per_step_series(trainer.state.log_history, common["steps"])
-        engine = getattr(trainer, "last_generation_engine", None)
+        engine = internals.generation_engine(trainer)
         result = {
             "model_name": model_name,
             "train_seconds": wall,
@@ -93,18 +93,11 @@ def run_training_config(config, common) -> dict:
             "series": series,
             "global_step": trainer.state.global_step,
             "torch_threads_after": torch.get_num_threads(),
-            **quiet,
             **load,
-            "loadavg_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+            "loadavg_end": load_average(),
         }
         if engine is not None:
-            result["engine"] = {
-                "produced": engine.produced,
-                "consumed": engine.consumed,
-                "num_batches": engine.num_batches,
-                "queue_bound": engine.queue.maxsize,
-                "max_queue_depth": engine.queue.max_depth_seen,
-            }
+            result["engine"] = internals.engine_counts(engine)
         if cuda:
             result["cuda_peak_allocated_mb"] = {
                 f"cuda:{i}": torch.cuda.max_memory_allocated(i) / 2**20 for i in range(torch.cuda.device_count())
@@ -114,38 +107,18 @@ def run_training_config(config, common) -> dict:
     return result
 
 
-def run_worker(spec_path: str, out_path: str) -> None:
-    sys.path[:0] = [ROOT, TESTS]
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    with open(spec_path) as f:
-        spec = json.load(f)
-    common = spec["common"]
-    results = []
-    env = None
-    for config in spec["configs"]:
-        print(f"[compare worker] {config['run_id']}", flush=True)
-        if env is None:
-            env = _env_info()
-        if common["isolation"] == "shared":
-            _reset_peak_rss()
-        start = time.perf_counter()
-        record = {"config": config, "env": env}
-        try:
-            if config["kind"] == "microbench":
-                record["result"] = run_microbench(config, common)
-            else:
-                record["result"] = run_training_config(config, common)
-        except Exception as error:  # noqa: BLE001 - reported, the other configurations still run
-            import traceback
-
-            record["error"] = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
-        rss, method = _peak_rss_mb(common["isolation"])
-        record["peak_rss_mb"], record["peak_rss_method"] = round(rss, 1), method
-        record["worker_seconds"] = time.perf_counter() - start
-        results.append(record)
-        with open(out_path, "w") as f:  # after every configuration, so a crash keeps what finished
-            json.dump(results, f)
+def run_cell(config, common) -> dict:
+    """The record of one configuration's run, in this worker subprocess (after other configurations, with
+    ``--isolation shared``: the peak memory is then reset before it)."""
+    if common["isolation"] == "shared":
+        _reset_peak_rss()
+    start = time.perf_counter()
+    record = {"config": config, "env": _env_info()}
+    if config["kind"] == "microbench":
+        record["result"] = run_microbench(config, common)
+    else:
+        record["result"] = run_training_config(config, common)
+    rss, method = _peak_rss_mb(common["isolation"])
+    record["peak_rss_mb"], record["peak_rss_method"] = round(rss, 1), method
+    record["worker_seconds"] = time.perf_counter() - start
+    return record

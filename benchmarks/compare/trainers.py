@@ -15,11 +15,11 @@ def load_model_and_tokenizer(common):
     import torch
 
     if common["model"] == "tiny":
-        from tiny import make_model, make_tokenizer
+        from a3po_trl.tasks.tiny_model import make_byte_tokenizer, make_tiny_llama
 
-        tokenizer = make_tokenizer()
-        model = make_model(tokenizer, seed=0)  # deterministic: the same weights in every configuration
-        return model, tokenizer, "tiny (tests/tiny.py: random 2-layer Llama, hidden 32, byte tokenizer)"
+        tokenizer = make_byte_tokenizer()
+        model = make_tiny_llama(tokenizer, seed=0)  # deterministic: the same weights in every configuration
+        return model, tokenizer, "tiny (a3po_trl.tasks.tiny_model: random 2-layer Llama, hidden 32, byte tokenizer)"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     name = common["model"]
@@ -46,7 +46,7 @@ def reward_functions(common):
 
     funcs = [correctness_reward, format_reward]
     if common["model"] == "tiny":
-        from tiny import digit_reward  # a dense signal, so the random tiny model gets non-zero advantages
+        from a3po_trl.tasks.tiny_model import digit_reward  # dense: the random tiny model gets non-zero advantages
 
         funcs.append(digit_reward)
     return funcs

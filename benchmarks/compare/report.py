@@ -3,73 +3,39 @@ machine and software, py-spy profile summaries, and ``--merge-from`` (reusing a 
 
 from __future__ import annotations
 
-import json
 import os
-import platform
 import shlex
 import sys
 from collections import defaultdict
 
+from benchmarks.common.internals import GENERATION_THREAD_FRAMES, PROFILE_ACTIVITIES, TRAINING_LOOP_FRAME
+from benchmarks.common.machine import machine_info
+from benchmarks.common.runner import Cell, RunStore
+
 from .analysis import evaluate_targets, pipeline_analysis, reward_comparison
 from .metrics import aggregate, summarize_run
-from .paths import COMPARE_SCRIPT, ROOT
 from .plan import config_names
-
-
-def machine_info() -> dict:
-    info = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "cpu_model": None, "memory_gib": None}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    info["cpu_model"] = line.split(":", 1)[1].strip()
-                    break
-        with open("/proc/meminfo") as f:
-            info["memory_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    return info
 
 
 def profile_summary(path: str) -> dict | None:
     """Share of py-spy samples per thread and activity (the generation thread: the engine's ``_run``)."""
     if not path or not os.path.exists(path) or path.endswith(".pstats"):
         return None
-    rules = [  # (label, substrings that must all be in the stack), first match wins: work before waits, since
-        # with async_generation=False (the pieces-* runs) generation runs inside the trainer's get
-        ("recompute forward", ("_take_scored_batch", "_get_per_token_logps_and_entropies")),
-        ("behavior logps (recorded while sampling)", ("_record (", "sampling.py")),
-        ("behavior logps (extra forward)", ("per_token_logps_fused",)),
-        ("generate: model forward (decoding)", ("generate (", "_wrapped_call_impl")),
-        ("generate: token selection, stopping, bookkeeping", ("generate (",)),
-        ("rewards", ("score_completions",)),
-        ("rewards", ("_calculate_rewards",)),
-        ("wait: generator waits for staleness bound", ("_wait_for_version",)),
-        ("wait: queue full", ("put (", "generation/queue.py")),
-        ("wait: trainer waits for samples", ("get (", "generation/engine.py")),
-        ("batch intake (move, gather, metrics)", ("_take_scored_batch",)),
-        ("weight refresh (generator copy)", ("refresh (", "generation/backend.py")),
-        ("weight publish", ("_publish_weights",)),
-        ("backward: LM head + log-softmax (TRL's chunked kernel)", ("backward (", "chunked_logprob.py")),
-        ("backward: model body", ("backward (",)),
-        ("optimizer step", ("optimizer",)),
-        ("loss forward: LM head + log-softmax (TRL's chunked kernel)", ("compute_loss", "chunked_logprob.py")),
-        ("loss forward: model body", ("compute_loss", "_wrapped_call_impl")),
-        ("loss forward: rest (A-3PO / GRPO loss terms, metrics)", ("compute_loss",)),
-    ]
     threads = defaultdict(lambda: defaultdict(int))
     with open(path) as f:
         for line in f:
             stack, _, count = line.rstrip("\n").rpartition(" ")
             if not count.isdigit():
                 continue
-            if "generation/engine.py" in stack and "_run (" in stack:
+            if all(frame in stack for frame in GENERATION_THREAD_FRAMES):
                 thread = "generation thread"
-            elif "_inner_training_loop" in stack:
+            elif TRAINING_LOOP_FRAME in stack:
                 thread = "training (main) thread"
             else:
                 thread = "outside training (imports, model loading, other threads)"
-            category = next((label for label, needles in rules if all(n in stack for n in needles)), "other")
+            category = next(
+                (label for label, needles in PROFILE_ACTIVITIES if all(n in stack for n in needles)), "other"
+            )
             threads[thread][category] += int(count)
     out = {}
     for thread, counts in threads.items():
@@ -105,8 +71,7 @@ def build_report(records, options, common, started, finished) -> dict:
     cpu = options.device == "cpu"
     report = {
         "meta": {
-            "command": "python "
-            + " ".join(shlex.quote(a) for a in [os.path.relpath(COMPARE_SCRIPT, ROOT), *sys.argv[1:]]),
+            "command": "python -m benchmarks.compare " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             "started": started,
             "finished": finished,
             "machine": machine_info(),
@@ -164,21 +129,27 @@ def build_report(records, options, common, started, finished) -> dict:
     return report
 
 
+def ordered_records(records: list[dict]) -> list[dict]:
+    """Records in plan order: seed by seed, configurations in the order of ``config_names``."""
+    order = {name: i for i, name in enumerate(config_names(_staleness_of(records), single_thread_trl=True))}
+    return sorted(records, key=lambda r: (r["config"]["seed"], order.get(r["config"]["name"], 99)))
+
+
+def _staleness_of(records: list[dict]) -> list[int]:
+    return sorted({r["config"].get("max_staleness") or 0 for r in records})
+
+
 MERGE_KEYS = ("model", "device", "bf16", "steps", "warmup_steps", "batch", "learning_rate", "staleness", "threads")
 
 
-def merge_previous(records, plan, options) -> tuple[list[dict], list[str]]:
-    """Add the runs of ``options.merge_from`` that this invocation did not run, in plan order."""
-    with open(options.merge_from) as f:
-        previous = json.load(f)
-    ran = {r["config"]["run_id"] for r in records}
-    reused = []
+def import_previous(previous: dict, source: str, store: RunStore) -> list[str]:
+    """Keep the finished runs of a ``previous`` report (from the file ``source``) in ``store``, unless it holds them
+    already, marked ``reused_from``; returns the command that made them."""
     for record in previous.get("records", []):
-        if record["config"]["run_id"] not in ran and "error" not in record:
-            reused.append({**record, "reused_from": os.path.basename(options.merge_from)})
-    order = {name: i for i, name in enumerate(config_names(options.staleness, single_thread_trl=True))}
-    merged = sorted(records + reused, key=lambda r: (r["config"]["seed"], order.get(r["config"]["name"], 99)))
-    return merged, [previous["meta"]["command"]]
+        cell = Cell(record["config"]["name"], record["config"]["seed"])
+        if "error" not in record and cell not in store:
+            store.save(cell, {**record, "reused_from": source})
+    return [previous["meta"]["command"]]
 
 
 def check_mergeable(previous_meta: dict, report_meta: dict) -> None:
