@@ -94,3 +94,35 @@ def machine_info() -> dict:
     except OSError:
         pass
     return info
+
+
+#: The CPU features that decide which kernels torch, MKL and oneDNN run (and so how floating-point sums round).
+KERNEL_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "fma")
+
+
+def kernel_info() -> dict:
+    """What decides the floating-point results of a run besides its inputs, in this process: torch's version and
+    the CPU capability its kernels dispatch to (``ATEN_CPU_CAPABILITY`` overrides it), the BLAS and oneDNN builds, the
+    thread counts, the CPU model and its vector-instruction flags. Two runs with the same seeds reproduce each other
+    bit for bit only where these agree (a different CPU generation picks other kernels, which round differently)."""
+    import torch
+
+    build = torch.__config__.show()
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    return {
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "blas": next((line.strip(" -") for line in build.splitlines() if "Math Kernel Library" in line), None),
+        "onednn": next((line.strip(" -") for line in build.splitlines() if "MKL-DNN" in line), None),
+        "threads": torch.get_num_threads(),
+        "cpu_model": machine_info()["cpu_model"],
+        "cpu_flags": sorted(flags & set(KERNEL_CPU_FLAGS)),
+    }

@@ -174,6 +174,13 @@ def add_runner_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--budget-minutes", type=float, default=None, help="no more reruns once this much has passed")
     group.add_argument("--run-timeout", type=float, default=None, help="seconds before a run is stopped as failed")
+    group.add_argument(
+        "--cells-per-launch",
+        type=int,
+        default=1,
+        help="runs per subprocess (short runs: the interpreter and library start once for several; each run still "
+        "sets every seed itself, and shares its launch's load record)",
+    )
     group.add_argument("--run-one", default=None, help=argparse.SUPPRESS)  # the subprocess's cells (comma list)
 
 
@@ -246,13 +253,15 @@ def run_missing(
     env: dict[str, str] | None = None,
     log_dir: Path | None = None,
 ) -> dict[Cell, str]:
-    """Run the ``cells`` that ``store`` lacks (at most ``options.max_runs``), in order, one subprocess each (with
-    ``together``, all in one), and keep each record. ``options`` holds :func:`add_runner_arguments`' values;
+    """Run the ``cells`` that ``store`` lacks (at most ``options.max_runs``), in order, one subprocess each (or
+    ``options.cells_per_launch`` in each; with ``together``, all in one), and keep each record. ``options`` holds
+    :func:`add_runner_arguments`' values;
     ``command`` gives the subprocess of some cells (e.g. ``functools.partial(child_command, module, argv)``); with
     ``log_dir`` the subprocesses' output goes to ``<log_dir>/<first cell>.log`` rather than to this process's.
     Returns the failures: the cells that were run and reported nothing, with why."""
     todo = store.missing(cells)[: options.max_runs]
-    launches = ([todo] if todo else []) if together else [[cell] for cell in todo]
+    size = len(todo) if together else max(1, getattr(options, "cells_per_launch", 1))
+    launches = [todo[start : start + size] for start in range(0, len(todo), size)]
     began, failures = time.perf_counter(), {}
     for index, launch in enumerate(launches, 1):
         names = ",".join(map(str, launch))

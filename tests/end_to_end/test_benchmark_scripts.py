@@ -17,6 +17,10 @@ SMOKE_TESTS = {
     "backends": ("tests/integration/test_vllm.py", "test_backends_benchmark_reports_every_field"),
     "compare": ("tests/end_to_end/test_benchmark.py", "test_quick_benchmark_writes_a_complete_report"),
     "lora_memory": ("tests/end_to_end/test_benchmark.py", "test_lora_memory_report_on_the_tiny_model"),
+    "proximal_map": (
+        "tests/end_to_end/test_proximal_map.py",
+        "test_quick_map_records_the_schedule_summarizes_with_intervals_and_resumes",
+    ),
     "soak": ("tests/end_to_end/test_soak.py", "test_short_soak_has_no_leaks"),
     "staleness": (
         "tests/end_to_end/test_staleness_study.py",
