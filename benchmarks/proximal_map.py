@@ -102,7 +102,7 @@ def _rates(options) -> dict[str, float]:
 # ---- one run (in the subprocess) --------------------------------------------------------------------------------
 def _run_one(options, name: str, seed: int) -> dict:
     import torch
-    from transformers import TrainerCallback
+    from transformers import PrinterCallback, TrainerCallback
 
     from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
     from a3po_trl.tasks.tiny_model import make_tiny_llama
@@ -158,6 +158,7 @@ def _run_one(options, name: str, seed: int) -> dict:
         model=model, reward_funcs=[reward], args=args, train_dataset=prompts, processing_class=tokenizer
     )
     trainer.add_callback(Evaluate())
+    trainer.remove_callback(PrinterCallback)  # the per-step numbers go into the record, not into the log
     started = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - started

@@ -69,3 +69,27 @@ def test_quick_map_records_the_schedule_summarizes_with_intervals_and_resumes(tm
         subprocess.run(
             [*command, "--learning-rates", "hi=1e-2,lo=1e-3"], check=True, env=env, capture_output=True, cwd=ROOT
         )
+
+
+def test_same_runs_names_the_first_step_where_two_runs_part(tmp_path):
+    from benchmarks.same_runs import compare
+
+    record = {
+        "logged": {"reward": [0.1, 0.2, 0.3], "step_time": [1.0, 2.0, 3.0]},
+        "kernels": {"cpu_capability": "AVX512"},
+    }
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for folder in ("a", "b"):
+        (tmp_path / folder / "x@1.json").write_text(json.dumps(record))
+    parted = {
+        "logged": {"reward": [0.1, 0.25, 0.3], "step_time": [9.0, 9.0, 9.0]},
+        "kernels": {"cpu_capability": "AVX2"},
+    }
+    (tmp_path / "a" / "y@1.json").write_text(json.dumps(record))
+    (tmp_path / "b" / "y@1.json").write_text(json.dumps(parted))
+    (tmp_path / "b" / "z@1.json").write_text(json.dumps(record))  # only in one folder: not compared
+    lines = compare(tmp_path / "a", tmp_path / "b")
+    assert lines[0] == "x@1: identical over 3 steps"  # timings differ between identical computations: ignored
+    assert lines[1].startswith("y@1: parts at step 2 (reward: 0.2 against 0.25); kernels differ")
+    assert "AVX2" in lines[1] and len(lines) == 2
