@@ -89,12 +89,26 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse_config(name: str) -> tuple[str, int, int]:
+    """``"loglinear-s4"`` -> ``("loglinear", 4, 1)``; ``"loglinear-s4-k4"`` -> ``("loglinear", 4, 4)``: the method,
+    ``max_staleness`` and the optimizer steps per generation batch (``steps_per_generation``, one micro-batch each)."""
+    rest, steps = name, 1
+    if "-k" in name.rsplit("-s", 1)[-1]:
+        rest, k = name.rsplit("-k", 1)
+        steps = int(k) if k.isdigit() and int(k) >= 1 else 0
+    method, _, staleness = rest.rpartition("-s")
+    if method not in METHODS or not staleness.isdigit() or steps < 1:
+        raise SystemExit(
+            f"unknown configuration {name!r}: use <method>-s<max_staleness>[-k<steps per generation batch>], method "
+            f"one of {METHODS}"
+        )
+    return method, int(staleness), steps
+
+
 def _method_and_staleness(name: str) -> tuple[str, int]:
     """``"loglinear-s4"`` -> ``("loglinear", 4)``."""
-    method, staleness = name.rsplit("-s", 1)
-    if method not in METHODS:
-        raise SystemExit(f"unknown method in configuration {name!r}; use one of {METHODS} with -s<staleness>")
-    return method, int(staleness)
+    method, staleness, _ = _parse_config(name)
+    return method, staleness
 
 
 def _training_settings(options) -> dict:
@@ -206,7 +220,7 @@ def _run_one(options, name: str, seed: int) -> dict:
     from a3po_trl.tasks.word_choice import make_word_choice_splits, word_choice_reward
     from benchmarks.common.machine import LoadMeter
 
-    method, staleness = _method_and_staleness(name)
+    method, staleness, steps_per_batch = _parse_config(name)
     train, held_out = make_word_choice_splits(num_train=1000, num_held_out=options.held_out, seed=0)
     held_out_rows = held_out.to_list()
     settings = _training_settings(options)
@@ -215,6 +229,7 @@ def _run_one(options, name: str, seed: int) -> dict:
         seed=seed,
         prox_logp_method=method,
         max_staleness=staleness,
+        steps_per_generation=steps_per_batch,
         **settings,
     )
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
@@ -345,7 +360,7 @@ def plot_study(runs: dict[str, list[dict]], names: list[str], path: Path) -> Non
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    staleness_values = sorted({_method_and_staleness(n)[1] for n in names if runs.get(n)})
+    staleness_values = sorted({_parse_config(n)[1:] for n in names if runs.get(n)})
     if not staleness_values:
         return
     figure, axes = plt.subplots(
@@ -354,7 +369,8 @@ def plot_study(runs: dict[str, list[dict]], names: list[str], path: Path) -> Non
     colors = {"behavior": "tab:red", "recompute": "tab:blue", "loglinear": "tab:green"}
     for column, staleness in enumerate(staleness_values):
         for name in names:
-            method, value = _method_and_staleness(name)
+            method, *value = _parse_config(name)
+            value = tuple(value)
             done = runs.get(name, [])
             if value != staleness or not done:
                 continue
@@ -366,7 +382,9 @@ def plot_study(runs: dict[str, list[dict]], names: list[str], path: Path) -> Non
             length = min(len(v) for v in per_run)
             training = [[v[i] for v in per_run] for i in range(length)]
             _line_with_band(axes[1][column], list(range(1, length + 1)), training, colors[method], label)
-        axes[0][column].set_title(f"max_staleness={staleness}")
+        bound, steps_per_batch = staleness
+        title = f"max_staleness={bound}" + (f", {steps_per_batch} steps/batch" if steps_per_batch > 1 else "")
+        axes[0][column].set_title(title)
         axes[1][column].set_xlabel("optimizer step")
         for axis in axes[:, column]:
             axis.grid(alpha=0.3)

@@ -120,3 +120,11 @@ def test_kl_to_initial_is_the_exact_per_token_kl_of_the_adapter_against_the_base
     expected = torch.nn.functional.kl_div(base, adapted, log_target=True, reduction="none").sum(-1).mean()
     assert tokenizer.eos_token_id not in sequence[0, prompt_ids.size(1) :].tolist()  # every token counts
     assert kl == pytest.approx(expected.item(), rel=1e-4)
+
+
+def test_configurations_name_the_method_the_bound_and_the_steps_per_generation_batch():
+    assert study._parse_config("loglinear-s4") == ("loglinear", 4, 1)
+    assert study._parse_config("recompute-s4-k4") == ("recompute", 4, 4)
+    for bad in ("loglinear-s4-k0", "adam-s4", "loglinear-4", "loglinear-s4-kx"):
+        with pytest.raises(SystemExit, match="unknown configuration"):
+            study._parse_config(bad)
