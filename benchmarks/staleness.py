@@ -218,7 +218,7 @@ def _run_one(options, name: str, seed: int) -> dict:
     from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
     from a3po_trl.tasks.offline_model import resolve_model_path
     from a3po_trl.tasks.word_choice import make_word_choice_splits, word_choice_reward
-    from benchmarks.common.machine import LoadMeter
+    from benchmarks.common.machine import LoadMeter, kernel_info
 
     method, staleness, steps_per_batch = _parse_config(name)
     train, held_out = make_word_choice_splits(num_train=1000, num_held_out=options.held_out, seed=0)
@@ -303,6 +303,8 @@ def _run_one(options, name: str, seed: int) -> dict:
         **machine_during_training,  # foreign_cpu_frac: other processes' share of all cores during training
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "steps_per_batch": steps_per_batch,
+        "kernels": kernel_info(),  # what decides rounding: runs repeat each other bit for bit only where it agrees
     }
 
 
