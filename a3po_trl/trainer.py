@@ -345,7 +345,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         extra): one lane per thread, generation batches and the steps that train on them coloured by the version
         that generated them, waits hatched, and the end time a perfectly pipelined run would have reached. Returns
         the path, ``output_dir/timeline.png`` by default."""
-        from .timeline_plot import draw_timeline
+        from .timeline.plot import draw_timeline
 
         if not self.timeline.enabled:
             raise ValueError("The timeline is off (timeline=False): set timeline=True in the config to record it.")

@@ -20,7 +20,7 @@ from a3po_trl.timeline import (
     record_in_batch_span,
     trace_path,
 )
-from a3po_trl.timeline_plot import draw_timeline
+from a3po_trl.timeline.plot import draw_timeline
 
 
 def test_the_recorder_keeps_the_newest_spans_of_every_thread_within_its_bound():

@@ -18,7 +18,7 @@ LAYERS = {
     "a3po_trl.padding": 0,
     "a3po_trl.functional": 1,
     "a3po_trl.timeline": 1,  # the span recorder both threads write to
-    "a3po_trl.timeline_plot": 7,  # draws a trace (matplotlib, imported lazily)
+    "a3po_trl.timeline.plot": 7,  # draws a trace (matplotlib, imported lazily)
     "a3po_trl.patches": 1,
     "a3po_trl.distributed": 1,
     "a3po_trl.devices": 1,

@@ -5,7 +5,7 @@ for the staleness bound (or for room in the queue), or weight publication stalli
 answer it on average; the timeline shows it step by step. Both threads record spans ``(lane, name, start, end,
 args)`` into one :class:`TimelineRecorder`, on ``time.perf_counter`` (one clock for the whole process), and the
 recorder writes them as a Chrome trace (``traceEvents``, opened by Perfetto or ``chrome://tracing``), one file per
-process. :mod:`a3po_trl.timeline_plot` draws the last steps of it as a picture.
+process. :mod:`a3po_trl.timeline.plot` draws the last steps of it as a picture.
 
 Spans are recorded where the code already measures its times (the engine's waits and weight loads, the backend's
 generation and behavior log-probs, the rollout's rewards and tool calls, the trainer's recompute forward and weight
