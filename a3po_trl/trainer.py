@@ -15,7 +15,7 @@ What changes relative to `GRPOTrainer`, and where:
   ``output_dir/timeline/trace-rank{k}.json`` (``-run{r}`` for a later run there) at every checkpoint and when
   ``train`` ends, on a best-effort basis; ``save_timeline`` draws it.
 - Checkpoints are written into a staging folder and renamed when whole, and ``resume_from_checkpoint=True`` resumes
-  from the newest complete one (:mod:`a3po_trl.checkpoints`).
+  from the newest complete one (:mod:`a3po_trl.checkpoints.saves`).
 
 Evaluation is unchanged: it generates synchronously through GRPOTrainer's own path. Under FSDP2, ``save_model`` writes
 whole weights (or a PEFT adapter) gathered from every process's shards.
@@ -276,7 +276,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         return error
 
     def _get_output_dir(self, trial):
-        # While a checkpoint is written, transformers' save writes into its staging folder (see checkpoints.py).
+        # While a checkpoint is written, transformers' save writes into its staging folder (see checkpoints/saves.py).
         return self._checkpoint_staging_dir or super()._get_output_dir(trial)
 
     def _save_checkpoint(self, model, trial):

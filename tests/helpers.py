@@ -163,8 +163,8 @@ class _State(SimpleNamespace):
 
 
 class StandInTrainer:
-    """What the checkpoint code (a3po_trl/checkpoints.py) reads of a trainer, without a model: ``save`` writes a small
-    checkpoint (an optimizer state holding ``payload``, the trainer state). One process, or ``accelerator``'s."""
+    """What the checkpoint code (a3po_trl/checkpoints/saves.py) reads of a trainer, without a model: ``save`` writes a
+    small checkpoint (an optimizer state holding ``payload``, the trainer state). One process, or ``accelerator``'s."""
 
     def __init__(self, output_dir, save_total_limit=None, accelerator=None):
         self.accelerator = accelerator or SimpleNamespace(

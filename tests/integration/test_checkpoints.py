@@ -85,7 +85,7 @@ def test_resume_true_skips_a_partial_newest_checkpoint(tokenizer, tmp_path, capl
     resumed = make_trainer(tokenizer, tmp_path, max_steps=3, **CHECKPOINTS)
     recorder = _RecordResumedStep()
     resumed.add_callback(recorder)
-    with caplog.at_level(logging.WARNING, logger="a3po_trl.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="a3po_trl.checkpoints.saves"):
         resumed.train(resume_from_checkpoint=True)
     assert f"skips {out / 'checkpoint-2'}" in caplog.text and "trainer_state.json is missing" in caplog.text
     assert recorder.started_at == 1 and resumed.state.global_step == 3

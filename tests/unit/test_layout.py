@@ -22,7 +22,6 @@ LAYERS = {
     "a3po_trl.patches": 1,
     "a3po_trl.distributed": 1,
     "a3po_trl.devices": 1,
-    "a3po_trl.checkpoint_files": 1,  # what a complete checkpoint folder is, and the filesystem it needs
     "a3po_trl.generation.weights": 2,  # the weight path: gather, dtype, staging store, copies, memory plan
     "a3po_trl.generation": 3,  # the engine, the queue, the schedule, the backend interface
     "a3po_trl.generation.hf": 4,
@@ -32,7 +31,7 @@ LAYERS = {
     "a3po_trl.metrics": 7,
     "a3po_trl.losses": 7,
     "a3po_trl.validation": 7,
-    "a3po_trl.checkpoints": 8,  # atomic checkpoint writes and the resume decision; reads trainer internals
+    "a3po_trl.checkpoints": 8,  # complete folders, atomic saves, the resume decision; reads trainer internals
     "a3po_trl.builders": 8,  # the one module that reads trainer internals to build what the thread needs
     "a3po_trl.trainer": 9,
     "a3po_trl.__init__": 10,
