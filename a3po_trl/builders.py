@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import logging
 
-import numpy as np
 import torch
 from torch import nn
 from trl.data_utils import is_conversational
@@ -37,6 +36,7 @@ from .generation.weights.memory_plan import GeneratorSetup, free_device_memory, 
 from .patches import align_position_ids_with_generation, cast_lm_head_to_fp32, peft_base_model
 from .rollout import RolloutSettings, decode_completions
 from .rollout.multi_turn import AgentSettings
+from .rollout.seeds import sampling_seeds
 
 logger = logging.getLogger(__name__)
 
@@ -322,17 +322,6 @@ def rollout_settings(trainer, batch_numbers=None) -> RolloutSettings:
         rollout_func=trainer.rollout_func,
         rollout_owner=trainer,
     )
-
-
-def sampling_seeds(seed: int, process_index: int, batch_numbers):
-    """Seed of each batch's random stream: from ``seed``, the process and the batch's global number, so every process
-    and batch has its own stream and a resumed run regenerates a batch with the stream it had."""
-
-    def batch_seed(index: int) -> int:
-        sequence = np.random.SeedSequence([seed, process_index, batch_numbers(index)])
-        return int(sequence.generate_state(1, dtype=np.uint64)[0] >> 1)
-
-    return batch_seed
 
 
 def deferred_reward_columns(trainer) -> frozenset[int]:

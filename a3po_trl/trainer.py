@@ -56,8 +56,8 @@ from .losses import DecoupledLossMixin
 from .metrics import batch_metrics, tool_metrics
 from .patches import align_position_ids_with_generation
 from .rollout import run_rollout
-from .rollout.custom import generate_completions
 from .rollout.prompt_batches import repeated_prompt_batches
+from .rollout.rollout_func import generate_completions
 from .rollout.scoring import score_with_reward_model, warn_about_unscorable_rows
 from .timeline import TRAINING_LANE, TimelineRecorder, TrainingStepTimeline, new_trace_path
 from .validation import check_supported, check_train_dataset, check_trainer
@@ -176,7 +176,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
     def generate_completions(prompt_ids: list[list[int]]) -> dict[str, list]:
         """For a ``rollout_func``: generate one completion per row of ``prompt_ids`` (token ids) with the weights of
         the batch being rolled out, returning ``{"completion_ids", "logprobs"}`` (the behavior log-probs its output
-        must carry). Callable only from inside a ``rollout_func`` (see :mod:`a3po_trl.rollout.custom`)."""
+        must carry). Callable only from inside a ``rollout_func`` (see :mod:`a3po_trl.rollout.rollout_func`)."""
         return generate_completions(prompt_ids)
 
     def set_initial_training_values(self, args, dataloader):
