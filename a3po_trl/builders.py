@@ -22,8 +22,9 @@ from .distributed import private_store
 from .generation.backend import GenerationBackend
 from .generation.hf import HFGenerateBackend, HFGenerationSettings
 from .generation.hf.sampling import processed_sampling, records_logps, samples_with_own_stream, sampling_deviations
-from .generation.vllm.common import VLLMSamplingSettings, active_lora, unsupported_lora_reason
-from .generation.vllm.setup import engine_dtype
+from .generation.vllm.make_backend import engine_dtype
+from .generation.vllm.sampling import VLLMSamplingSettings
+from .generation.vllm.weight_loading import active_lora, unsupported_lora_reason
 from .generation.weights import (
     ContextGather,
     DTensorGather,
@@ -246,7 +247,7 @@ def vllm_sampling_settings(trainer) -> VLLMSamplingSettings:
 
 
 def _build_vllm_backend(trainer) -> GenerationBackend:
-    from .generation.vllm.setup import build_vllm_backend
+    from .generation.vllm.make_backend import build_vllm_backend
 
     args = trainer.args
     module = trainer._unwrapped_model()

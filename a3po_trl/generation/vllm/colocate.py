@@ -34,15 +34,12 @@ from ..backend import GenerationBackend
 from ..weights import VersionedWeights, as_parameter_gather, vllm_weight_name
 from ..weights.copies import generator_copy, unsharded_copy
 from ..weights.names import without_checkpoint_wrapper
-from .common import (
-    VLLMSamplingSettings,
+from .sampling import VLLMSamplingSettings, completions_from_outputs, row_seeds, sampling_params
+from .weight_loading import (
     active_lora,
-    completions_from_outputs,
     host_staging_layout,
     lora_slot_rank,
     merged_checkpoint_tensors,
-    row_seeds,
-    sampling_params,
     unsupported_lora_reason,
     write_lora_adapter,
 )

@@ -38,7 +38,8 @@ from ...patches import peft_base_model
 from ..weights import as_parameter_gather, checkpoint_dtype, generator_dtype, vllm_weight_name
 from ..weights.precision import bf16_supported, vllm_dtype_name
 from ..weights.store import staged_dtype
-from .common import VLLMSamplingSettings, base_checkpoint_tensors, is_base_weight
+from .sampling import VLLMSamplingSettings
+from .weight_loading import base_checkpoint_tensors, is_base_weight
 
 logger = logging.getLogger(__name__)
 
