@@ -80,8 +80,8 @@ class AsyncA3POConfig(GRPOConfig):
             of overlap between generation and training (`1` with GRPOConfig's defaults).
         async_generation (`bool`, *optional*, defaults to `True`):
             Generate in a background thread that overlaps with training. `False` generates in the main thread
-            when a batch is needed (still versioned and scored by the same engine): useful for debugging and for
-            bit-exact reproducibility.
+            when a batch is needed (still versioned and scored by the same batch producer): useful for debugging and
+            for bit-exact reproducibility.
         reproducible_generation (`bool`, *optional*, defaults to `False`):
             Generate every batch with exactly the weight version the staleness schedule assigns it (the oldest the
             bound allows: staleness is then exactly `max_staleness` after the first batches), instead of the newest

@@ -2,14 +2,14 @@
 
 What changes relative to `GRPOTrainer`, and where:
 
-- ``_prepare_inputs`` takes versioned batches from the :class:`~a3po_trl.generation.GenerationEngine` (generated and
+- ``_prepare_inputs`` takes versioned batches from the :class:`~a3po_trl.generation.BatchProducer` (generated and
   scored in its thread, with the generator's own copy of the weights) instead of generating with the training module,
   computes their advantages from every process's rewards as GRPOTrainer does, then buffers and splits them as TRL does.
 - ``compute_loss`` computes per-token staleness, the proximal log-probs (A-3PO interpolation, or a forward pass),
   and the decoupled form of the configured loss (:mod:`a3po_trl.losses`).
 - A callback publishes the weights to the generator after every optimizer step.
-- ``train`` starts the engine lazily and always stops and joins its thread; it raises the generation thread's error
-  even when the thread failed after the last batch the trainer took, and refuses to run while the thread of an
+- ``train`` starts the batch producer lazily and always stops and joins its thread; it raises the generation thread's
+  error even when the thread failed after the last batch the trainer took, and refuses to run while the thread of an
   earlier call is still alive (it shares the generation backend).
 - Both threads record their spans on a timeline (:mod:`a3po_trl.timeline`), written to
   ``output_dir/timeline/trace-rank{k}.json`` (``-run{r}`` for a later run there) at every checkpoint and when
@@ -48,7 +48,7 @@ from .checkpoints import resolve_resume_checkpoint, save_checkpoint_atomically
 from .config import AsyncA3POConfig, trainer_config
 from .distributed import destroy_process_group_at_exit
 from .functional import group_advantages
-from .generation import GenerationBackend, GenerationEngine
+from .generation import BatchProducer, GenerationBackend
 from .generation.schedule import TrainingLoopShape, oldest_allowed_version, plan_generation_batches, run_micro_steps
 from .generation.weights.names import without_checkpoint_wrapper
 from .generation.weights.version_checkpoint import load_kept_versions, save_kept_versions
@@ -144,9 +144,10 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         # The accelerator initialized the process group by now; end it before interpreter exit (see distributed.py).
         destroy_process_group_at_exit()
 
-        self._engine: GenerationEngine | None = None
-        self.last_generation_engine: GenerationEngine | None = None
-        """The engine of the latest `train()` call, kept after it stops for inspection (counters, queue, backend)."""
+        self._producer: BatchProducer | None = None
+        self.last_batch_producer: BatchProducer | None = None
+        """The batch producer of the latest `train()` call, kept after it stops for inspection (counters, queue,
+        backend)."""
         self._backend: GenerationBackend | None = None
         self._run_start_step = 0
         self._steps_in_epoch: int | None = None
@@ -164,7 +165,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         self.add_callback(self._step_timeline)  # before the publication callback: a step's span ends before it
         self.add_callback(_PublishWeightsCallback(self))
 
-    # ---- generation engine -----------------------------------------------------------------------------------------
+    # ---- batch producer --------------------------------------------------------------------------------------------
     def _unwrapped_model(self):
         return self.accelerator.unwrap_model(self.model)
 
@@ -187,8 +188,8 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
 
     def _generation_thread_left_behind(self) -> bool:
         """Whether the generation thread of an earlier ``train()`` call outlived its stop and is still running."""
-        engine = self.last_generation_engine
-        return engine is not None and engine.thread is not None and engine.thread.is_alive()
+        producer = self.last_batch_producer
+        return producer is not None and producer.thread is not None and producer.thread.is_alive()
 
     def _refuse_a_second_generation_thread(self, alive_somewhere: bool) -> None:
         if alive_somewhere:
@@ -200,7 +201,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
                 "what blocks the thread (its stack: faulthandler.dump_traceback())."
             )
 
-    def _start_engine(self):
+    def _start_producer(self):
         args = self.args
         self._refuse_a_second_generation_thread(self._generation_thread_left_behind())
         if self._backend is None:
@@ -238,7 +239,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         # A resumed reproducible run regenerates its next batches with the versions the checkpoint kept for them.
         earlier = load_kept_versions(self._resume_checkpoint) if args.reproducible_generation else {}
         first_version = min([*earlier, start_version])
-        self._engine = GenerationEngine(
+        self._producer = BatchProducer(
             backend=self._backend,
             prompt_batches=prompt_batches,
             rollout=lambda *args: run_rollout(settings, *args),
@@ -251,22 +252,22 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             exact_versions=args.reproducible_generation,
             timeline=self.timeline,
         )
-        self.last_generation_engine = self._engine
-        self._engine.start(self._unwrapped_model(), start_version, self._state_snapshot(), earlier_versions=earlier)
+        self.last_batch_producer = self._producer
+        self._producer.start(self._unwrapped_model(), start_version, self._state_snapshot(), earlier_versions=earlier)
 
-    def _stop_engine(self) -> BaseException | None:
+    def _stop_producer(self) -> BaseException | None:
         """Stop and join the generation thread. Returns the thread's exception that no batch request re-raised (it
         failed after the last batch the trainer took), if any."""
-        if self._engine is None:
+        if self._producer is None:
             return None
-        engine, self._engine = self._engine, None
-        if not engine.stop(timeout=self.args.generation_stop_timeout):
+        producer, self._producer = self._producer, None
+        if not producer.stop(timeout=self.args.generation_stop_timeout):
             logger.warning(
                 "The a3po generation thread did not stop within %s s (stuck in a reward function or generate?); "
                 "it is a daemon thread and is left behind, and this trainer refuses to train again while it runs.",
                 self.args.generation_stop_timeout,
             )
-        unreported = engine.unreported_error()
+        unreported = producer.unreported_error()
         if unreported is None:
             return None
         error, after_stop = unreported
@@ -360,10 +361,10 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         return snapshot
 
     def _publish_weights(self):
-        if self._engine is not None:
+        if self._producer is not None:
             model = self._unwrapped_model()
             with self.timeline.span(TRAINING_LANE, "publish weights", version=self.state.global_step):
-                seconds = self._engine.publish(model, self.state.global_step, self._state_snapshot())
+                seconds = self._producer.publish(model, self.state.global_step, self._state_snapshot())
             self._weight_sync_seconds += seconds
 
     def train(self, *args, **kwargs):
@@ -408,7 +409,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         """What ends every ``train()``: stop the generation thread (returning its unreported error), restore the
         thread count, write the trace. Raises nothing of its own."""
         try:
-            return self._stop_engine()
+            return self._stop_producer()
         finally:
             torch.set_num_threads(previous_threads)
             self._write_trace()
@@ -417,8 +418,8 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
     def _prepare_inputs(self, generation_batch):
         if not self.model.training:
             return super()._prepare_inputs(generation_batch)
-        if self._engine is None:
-            self._start_engine()
+        if self._producer is None:
+            self._start_producer()
         run_step = self._step - self._run_start_step
         if run_step >= len(self._micro_steps):
             raise RuntimeError(
@@ -447,7 +448,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         """Main thread: the next scored batch, with everything that needs every process (advantages, the token
         count, reward models partitioned by ZeRO-3) or the training weights (recomputed and reference log-probs)."""
         device = self.accelerator.device
-        scored, waited = self._engine.get()
+        scored, waited = self._producer.get()
         self._step_timeline.batch_taken(scored.index, scored.version)
         data = {k: v.to(device) for k, v in scored.tensors.items()}
         is_truncated, completion_lengths = scored.is_truncated.to(device), scored.completion_lengths.to(device)
@@ -519,7 +520,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             rewards_per_func=rewards_per_func,
             is_std_zero=is_std_zero,
             waited=waited,
-            queue_depth=len(self._engine.queue),
+            queue_depth=len(self._producer.queue),
             reward_weights=self.reward_weights,
             reward_func_names=self.reward_func_names,
         )

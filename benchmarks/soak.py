@@ -51,13 +51,13 @@ class _Probe(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step % self.every:
             return
-        engine = self.trainer.last_generation_engine
+        producer = self.trainer.last_batch_producer
         sample = {
             "step": state.global_step,
             "rss_mb": round(resident_memory_mb(), 1),
             "threads": threading.active_count(),
             "open_files": open_file_count(),
-            "queue_depth": len(engine.queue) if engine else 0,
+            "queue_depth": len(producer.queue) if producer else 0,
             "time": round(time.perf_counter(), 2),
         }
         self.samples.append(sample)
@@ -101,7 +101,7 @@ def run_soak(steps: int = 400, max_staleness: int = 4, every: int = 10, warmup_f
         start = time.perf_counter()
         trainer.train()
         seconds = time.perf_counter() - start
-        engine = trainer.last_generation_engine
+        producer = trainer.last_batch_producer
     samples = probe.samples
     warm = samples[max(1, int(len(samples) * warmup_fraction)) - 1]
     second_half = samples[len(samples) // 2 :]
@@ -113,10 +113,10 @@ def run_soak(steps: int = 400, max_staleness: int = 4, every: int = 10, warmup_f
         "rss_end_mb": samples[-1]["rss_mb"],
         "rss_growth_after_warmup_mb": round(samples[-1]["rss_mb"] - warm["rss_mb"], 1),
         "rss_slope_second_half_mb_per_100_steps": round(_slope(second_half) * 100, 2),
-        "max_queue_depth": engine.queue.max_depth_seen,
-        "queue_bound": engine.queue.maxsize,
-        "batches_produced": engine.produced,
-        "batches_consumed": engine.consumed,
+        "max_queue_depth": producer.queue.max_depth_seen,
+        "queue_bound": producer.queue.maxsize,
+        "batches_produced": producer.produced,
+        "batches_consumed": producer.consumed,
         "threads_before": threads_before,
         "threads_during_max": max(s["threads"] for s in samples),
         "threads_after": threading.active_count(),

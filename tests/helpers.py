@@ -74,7 +74,7 @@ def first_batch_with_logps(trainer):
     try:
         inputs = trainer._prepare_inputs(None)
     finally:
-        trainer._stop_engine()
+        trainer._stop_producer()
     input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
     with torch.no_grad():

@@ -7,11 +7,11 @@ args)`` into one :class:`TimelineRecorder`, on ``time.perf_counter`` (one clock 
 recorder writes them as a Chrome trace (``traceEvents``, opened by Perfetto or ``chrome://tracing``), one file per
 process. :mod:`a3po_trl.timeline.plot` draws the last steps of it as a picture.
 
-Spans are recorded where the code already measures its times (the engine's waits and weight loads, the backend's
-generation and behavior log-probs, the rollout's rewards and tool calls, the trainer's recompute forward and weight
-publication), so nothing is timed twice. Code deep inside a rollout does not hold the recorder: the engine opens a
-:func:`batch_span` around each batch, and :func:`record_in_batch_span` records on the calling thread's open batch span
-(a no-op outside one), so backends and rollouts stay unaware of the recorder.
+Spans are recorded where the code already measures its times (the batch producer's waits and weight loads, the
+backend's generation and behavior log-probs, the rollout's rewards and tool calls, the trainer's recompute forward and
+weight publication), so nothing is timed twice. Code deep inside a rollout does not hold the recorder: the producer
+opens a :func:`batch_span` around each batch, and :func:`record_in_batch_span` records on the calling thread's open
+batch span (a no-op outside one), so backends and rollouts stay unaware of the recorder.
 
 Memory is bounded: the recorder keeps the newest ``max_spans`` spans (a deque), and counts the ones it dropped.
 """
@@ -202,7 +202,7 @@ def batch_span(recorder: TimelineRecorder, lane: str, name: str = BATCH_SPAN, **
 
 def record_in_batch_span(name: str, start: float, end: float, **args) -> None:
     """Record ``[start, end]`` as a part of the calling thread's open batch span (see :func:`batch_span`); a no-op
-    when none is open (a backend used outside the engine)."""
+    when none is open (a backend used outside the batch producer)."""
     context = getattr(_open, "context", None)
     if context is not None:
         recorder, lane, batch_args = context

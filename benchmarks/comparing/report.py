@@ -46,7 +46,7 @@ def profile_summary(path: str) -> dict | None:
         ("rewards", ("_calculate_rewards",)),
         ("wait: generator waits for staleness bound", ("_wait_for_version",)),
         ("wait: queue full", ("put (", "generation/queue.py")),
-        ("wait: trainer waits for samples", ("get (", "generation/engine.py")),
+        ("wait: trainer waits for samples", ("get (", "generation/producer.py")),
         ("batch intake (move, gather, metrics)", ("_take_scored_batch",)),
         ("weight refresh (generator copy)", ("refresh (", "generation/backend.py")),
         ("weight publish", ("_publish_weights",)),
@@ -63,7 +63,7 @@ def profile_summary(path: str) -> dict | None:
             stack, _, count = line.rstrip("\n").rpartition(" ")
             if not count.isdigit():
                 continue
-            if "generation/engine.py" in stack and "_run (" in stack:
+            if "generation/producer.py" in stack and "_run (" in stack:
                 thread = "generation thread"
             elif "_inner_training_loop" in stack:
                 thread = "training (main) thread"

@@ -85,7 +85,7 @@ def run_training_config(config, common) -> dict:
         wall = time.perf_counter() - start
         load = meter.stop()
         series = per_step_series(trainer.state.log_history, common["steps"])
-        engine = getattr(trainer, "last_generation_engine", None)
+        producer = getattr(trainer, "last_batch_producer", None)
         result = {
             "model_name": model_name,
             "train_seconds": wall,
@@ -97,19 +97,19 @@ def run_training_config(config, common) -> dict:
             **load,
             "loadavg_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         }
-        if engine is not None:
-            result["engine"] = {
-                "produced": engine.produced,
-                "consumed": engine.consumed,
-                "num_batches": engine.num_batches,
-                "queue_bound": engine.queue.maxsize,
-                "max_queue_depth": engine.queue.max_depth_seen,
+        if producer is not None:
+            result["engine"] = {  # the batch producer's counters (the records' key)
+                "produced": producer.produced,
+                "consumed": producer.consumed,
+                "num_batches": producer.num_batches,
+                "queue_bound": producer.queue.maxsize,
+                "max_queue_depth": producer.queue.max_depth_seen,
             }
         if cuda:
             result["cuda_peak_allocated_mb"] = {
                 f"cuda:{i}": torch.cuda.max_memory_allocated(i) / 2**20 for i in range(torch.cuda.device_count())
             }
-        del trainer, engine
+        del trainer, producer
         gc.collect()
     return result
 

@@ -55,6 +55,6 @@ def test_approximation_error_compares_the_estimate_with_a_recompute_of_the_same_
     )
     trainer.train()
     errors = logged(trainer, "a3po/approx_logp_abs_error")
-    assert trainer.last_generation_engine.consumed == 3
+    assert trainer.last_batch_producer.consumed == 3
     assert len(errors) == 3  # one per batch: its first micro-step; the second trains with newer weights
     assert all(e >= 0 for e in errors)

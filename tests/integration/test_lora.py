@@ -36,7 +36,7 @@ def _lora_trainer(tokenizer, tmp_path, **overrides):
 def test_generator_shares_base_and_copies_only_the_adapter(tokenizer, tmp_path):
     trainer = _lora_trainer(tokenizer, tmp_path)
     trainer.train()
-    policy = trainer.last_generation_engine.backend
+    policy = trainer.last_batch_producer.backend
     adapter, base = _adapter_and_base_sizes(trainer.model)
     assert policy.copied_parameter_count == adapter
     assert policy.shared_parameter_count == base
@@ -111,7 +111,7 @@ def test_generator_memory_is_adapter_sized(tokenizer, tmp_path, full):
     else:
         trainer = _lora_trainer(tokenizer, tmp_path, max_steps=1)
     trainer.train()
-    policy = trainer.last_generation_engine.backend
+    policy = trainer.last_batch_producer.backend
     total = sum(p.numel() for p in trainer.model.parameters())
     extra = policy.copied_parameter_count
     if full:

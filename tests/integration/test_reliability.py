@@ -218,7 +218,7 @@ def test_resume_with_thread_starts_generator_at_restored_version(tokenizer, tmp_
     staleness = logged_after(resumed, "a3po/staleness_max", 2)
     assert versions[0] == 2 and min(versions) >= 2  # generator restarted from the restored weights
     assert len(staleness) == 2 and max(staleness) <= 2
-    assert resumed.last_generation_engine.consumed == 2
+    assert resumed.last_batch_producer.consumed == 2
 
 
 @pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
@@ -306,8 +306,8 @@ def test_a_generation_error_after_the_last_batch_taken_surfaces_from_train(token
     trainer = make_trainer(tokenizer, tmp_path, reward_funcs=(fails_on_the_second_batch,), max_staleness=2)
 
     def thread_ended():  # it fails on batch 1, which the trainer, stopping after step 1, never takes
-        trainer.last_generation_engine.thread.join(60)
-        return not trainer.last_generation_engine.thread.is_alive()
+        trainer.last_batch_producer.thread.join(60)
+        return not trainer.last_batch_producer.thread.is_alive()
 
     trainer.add_callback(_StopWhen(1, thread_ended))
     with pytest.raises(RuntimeError, match="the reward server went away"):
@@ -336,13 +336,13 @@ def test_a_second_train_is_refused_while_the_first_ones_generation_thread_is_sti
     try:
         with pytest.raises(KeyboardInterrupt):
             trainer.train()
-        stuck = trainer.last_generation_engine.thread
+        stuck = trainer.last_batch_producer.thread
         assert stuck.is_alive()
         with pytest.raises(RuntimeError, match=r"generation thread of an earlier train\(\) call .* still running"):
             trainer.train()
     finally:
         release.set()
-        trainer.last_generation_engine.thread.join(60)
+        trainer.last_batch_producer.thread.join(60)
     trainer.remove_callback(_StopWhen)
     trainer.train()  # once the thread has ended, the trainer trains again
     assert trainer.state.global_step == 2

@@ -35,15 +35,15 @@ class _RecordVersions(TrainerCallback):
 
 
 def _assert_bound_held(trainer, max_staleness, caplog):
-    engine = trainer.last_generation_engine
+    producer = trainer.last_batch_producer
     staleness_max = logged(trainer, "a3po/staleness_max")
     assert staleness_max and max(staleness_max) <= max_staleness, staleness_max
     for entry in trainer.state.log_history:
         if "a3po/staleness_max" in entry:
             histogram = sum(v for k, v in entry.items() if k.startswith("a3po/staleness_frac_"))
             assert histogram == pytest.approx(1.0), entry
-    assert engine.produced == engine.consumed == engine.num_batches
-    assert engine.schedule_misses == 0
+    assert producer.produced == producer.consumed == producer.num_batches
+    assert producer.schedule_misses == 0
     assert "its shape predicts" not in caplog.text
 
 
@@ -124,7 +124,7 @@ def test_resume_inside_a_batch_and_an_epoch_keeps_the_bound(tokenizer, tmp_path,
     assert (steps[0].epoch, steps[0].position, steps[0].version) == (0, 3, 1)
     planned = plan_generation_batches(steps, 4)
     assert planned[0].first_offset == 3 and planned[0].micro_steps == 1  # the rest of the interrupted batch
-    assert resumed.last_generation_engine.consumed == len(planned)
+    assert resumed.last_batch_producer.consumed == len(planned)
 
 
 def _shapes():

@@ -16,15 +16,15 @@ from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer, builders
 def test_staleness_bounded_reached_and_nothing_dropped(tokenizer, tmp_path, max_staleness):
     trainer = make_trainer(tokenizer, tmp_path, max_staleness=max_staleness, max_steps=8)
     trainer.train()
-    engine = trainer.last_generation_engine
+    producer = trainer.last_batch_producer
     staleness_max = logged(trainer, "a3po/staleness_max")
     assert len(staleness_max) == 8
     assert max(staleness_max) <= max_staleness
     assert max(staleness_max) > 0
     # every generated batch was consumed, in order; none was thrown away
-    assert engine.produced == engine.consumed == engine.num_batches == 8
-    assert engine.queue.max_depth_seen <= max_staleness + 1
-    assert len(engine.queue) == 0
+    assert producer.produced == producer.consumed == producer.num_batches == 8
+    assert producer.queue.max_depth_seen <= max_staleness + 1
+    assert len(producer.queue) == 0
 
 
 def test_synchronous_mode_is_on_policy(tokenizer, tmp_path):
@@ -78,7 +78,7 @@ def test_parameters_change_and_generator_matches_after_publication(tokenizer, tm
     trainer.train()
     changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
     assert len(changed) == len(before)
-    policy = trainer.last_generation_engine.backend
+    policy = trainer.last_batch_producer.backend
     assert policy.published_version == trainer.state.global_step == 3
     assert not generator_matches(policy, trainer.model) or policy.version == 3
     policy.refresh()
@@ -137,8 +137,8 @@ def test_main_thread_interruption_joins_generation_thread(tokenizer, tmp_path, e
     trainer.add_callback(_InterruptAt(2, error))
     with pytest.raises(type(error)):
         trainer.train()
-    engine = trainer.last_generation_engine
-    assert engine.thread is not None and not engine.thread.is_alive()
+    producer = trainer.last_batch_producer
+    assert producer.thread is not None and not producer.thread.is_alive()
 
 
 def test_thread_off_runs_are_identical(tokenizer, tmp_path):
@@ -193,7 +193,7 @@ def test_num_iterations_reuses_batches_with_growing_staleness(tokenizer, tmp_pat
     trainer = make_trainer(tokenizer, tmp_path, num_iterations=2, max_staleness=1, max_steps=4)
     trainer.train()
     staleness = logged(trainer, "a3po/staleness_max")
-    assert trainer.last_generation_engine.consumed == 2  # each batch trained on twice
+    assert trainer.last_batch_producer.consumed == 2  # each batch trained on twice
     assert max(staleness) == 1 and len(staleness) == 4
 
 

@@ -91,7 +91,7 @@ def main():
 
     trainer._take_scored_batch = recording_take
     trainer.train()
-    policy = trainer.last_generation_engine.backend
+    policy = trainer.last_batch_producer.backend
     policy.refresh()  # load the last published weights (version = final global_step)
     state = trainer.accelerator.state
     report = {
@@ -105,7 +105,7 @@ def main():
         "generator_matches_trainer": generator_matches(policy, trainer.accelerator.unwrap_model(trainer.model)),
         "copied_parameters": policy.copied_parameter_count,
         "shared_parameters": policy.shared_parameter_count,
-        "batches_consumed": trainer.last_generation_engine.consumed,
+        "batches_consumed": trainer.last_batch_producer.consumed,
         "max_staleness_seen": max(
             h["a3po/staleness_max"] for h in trainer.state.log_history if "a3po/staleness_max" in h
         ),

@@ -162,7 +162,7 @@ def train_and_check(out_dir, tokenizer, lora, with_extras=False):
     trainer.add_callback(trainer_logps)
     record_generator_logps(trainer, fixed, generator_logps)
     trainer.train()
-    policy = trainer.last_generation_engine.backend
+    policy = trainer.last_batch_producer.backend
     policy.refresh()  # the last published version (= global_step), loaded here in the main thread
     model = trainer._unwrapped_model()
     sharded = [
@@ -186,7 +186,7 @@ def train_and_check(out_dir, tokenizer, lora, with_extras=False):
         "max_staleness_seen": max(
             h["a3po/staleness_max"] for h in trainer.state.log_history if "a3po/staleness_max" in h
         ),
-        "batches_consumed": trainer.last_generation_engine.consumed,
+        "batches_consumed": trainer.last_batch_producer.consumed,
         "reward_model_threads": sorted(set(reward_model_threads)),
         "mixed_precision": trainer.accelerator.mixed_precision,
         "trainable_dtypes": sorted({str(p.dtype) for p in model.parameters() if p.requires_grad}),

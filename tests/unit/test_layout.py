@@ -23,7 +23,7 @@ LAYERS = {
     "a3po_trl.distributed": 1,
     "a3po_trl.devices": 1,
     "a3po_trl.generation.weights": 2,  # the weight path: gather, dtype, staging store, copies, memory plan
-    "a3po_trl.generation": 3,  # the engine, the queue, the schedule, the backend interface
+    "a3po_trl.generation": 3,  # the batch producer, the queue, the schedule, the backend interface
     "a3po_trl.generation.hf": 4,
     "a3po_trl.generation.vllm": 4,
     "a3po_trl.generation.__init__": 5,  # exports the default backend

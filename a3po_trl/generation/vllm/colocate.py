@@ -95,7 +95,7 @@ class VLLMColocateBackend(GenerationBackend):
                 gather = as_parameter_gather(gather)
                 if gather.sharded:
                     # FSDP2 / ZeRO-3: an unsharded copy rebuilt from the config, each tensor gathered in turn (a
-                    # collective: this runs in the main thread of every process together, in _start_engine)
+                    # collective: this runs in the main thread of every process together, in _start_producer)
                     self._merge_copy = unsharded_copy(module, gather, device, dtype).eval()
                 else:
                     self._merge_copy = generator_copy(module, device, dtype, share_frozen=False).eval()

@@ -1,6 +1,7 @@
-"""The generation engine: the versioned sample queue and the admission-controlled producer loop, in a thread.
+"""The batch producer: the admission-controlled loop that generates and scores batches into the versioned sample
+queue, in a background thread or inline.
 
-The engine knows nothing of which backend generates (:mod:`a3po_trl.generation.backend`): it asks the backend to load
+The producer knows nothing of which backend generates (:mod:`a3po_trl.generation.backend`): it asks the backend to load
 the newest published weights (or, reproducibly, the assigned ones) between batches and tags the batch with that
 version; a multi-turn rollout may load newer weights between turns, and records the version of every token. It never
 runs a collective: everything it does is local to its process.
@@ -23,7 +24,7 @@ from .backend import GenerationBackend
 from .queue import VersionedSampleQueue
 
 
-class GenerationEngine:
+class BatchProducer:
     """Admission-controlled producer of scored batches, in a background thread or inline.
 
     Batch ``i`` (counted from the start of this run) may be generated only with weights of version at least
@@ -48,7 +49,7 @@ class GenerationEngine:
             versions a later batch may still need) instead of the newest one: which weights generate a batch then no
             longer depends on timing.
         poll_interval: seconds between health checks while waiting.
-        timeline: where the engine records its spans (each batch, its waits and weight loads, and the trainer's
+        timeline: where the producer records its spans (each batch, its waits and weight loads, and the trainer's
             wait for it); backends and rollouts record their parts inside the batch's span. ``None``: not recorded.
     """
 
