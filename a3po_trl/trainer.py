@@ -27,40 +27,27 @@ import copy
 import logging
 import os
 import textwrap
-import time
 import weakref
 
 import torch
 from accelerate.utils import gather_object
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
-from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict, use_adapter
+from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
-from .builders import (
-    build_backend,
-    deferred_reward_columns,
-    effective_generation_config,
-    rollout_settings,
-    uses_fsdp2,
-    weight_gather,
-)
+from .builders import RunPlan, build_backend, build_batch_producer, plan_run, uses_fsdp2, weight_gather
 from .checkpoints import resolve_resume_checkpoint, save_checkpoint_atomically
 from .config import AsyncA3POConfig, trainer_config
 from .distributed import destroy_process_group_at_exit
-from .functional import group_advantages
 from .generation import BatchProducer, GenerationBackend
-from .generation.schedule import TrainingLoopShape, oldest_allowed_version, plan_generation_batches, run_micro_steps
 from .generation.weights.names import without_checkpoint_wrapper
-from .generation.weights.version_checkpoint import load_kept_versions, save_kept_versions
+from .generation.weights.version_checkpoint import save_kept_versions
 from .losses import DecoupledLossMixin
-from .metrics import batch_metrics, tool_metrics
 from .patches import align_position_ids_with_generation
-from .rollout import run_rollout
-from .rollout.prompt_batches import repeated_prompt_batches
 from .rollout.rollout_func import generate_completions
-from .rollout.scoring import score_with_reward_model, warn_about_unscorable_rows
 from .timeline import TRAINING_LANE, TimelineRecorder, TrainingStepTimeline, new_trace_path
-from .validation import check_supported, check_train_dataset, check_trainer
+from .training_batch import make_training_batch
+from .validation import check_supported, check_train_dataset, check_trainer, effective_generation_config
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +138,8 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         self._backend: GenerationBackend | None = None
         self._run_start_step = 0
         self._steps_in_epoch: int | None = None
-        self._micro_steps = []
+        self._plan: RunPlan | None = None
+        """The micro-steps and generation batches of the current run (see :func:`a3po_trl.builders.plan_run`)."""
         self._schedule_warned = False
         self._weight_sync_seconds = 0.0
         self._resume_checkpoint = None
@@ -202,58 +190,17 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             )
 
     def _start_producer(self):
-        args = self.args
         self._refuse_a_second_generation_thread(self._generation_thread_left_behind())
         if self._backend is None:
             self._backend = self._build_backend()
             weakref.finalize(self, self._backend.close)  # an engine or a server's adapters outlive train() calls
-        start_version = self.state.global_step
         if self._steps_in_epoch is None:  # batches taken outside train(): the loop's shape from its dataloader
-            self.set_initial_training_values(args, self.get_train_dataloader())
-        shape = TrainingLoopShape(
-            steps_in_epoch=self._steps_in_epoch,
-            gradient_accumulation_steps=args.gradient_accumulation_steps,
-            max_steps=self.state.max_steps,
-            start_step=start_version,
-            skip_trained_data=not args.ignore_data_skip,
-        )
-        every = args.steps_per_generation * self.num_iterations
-        self._micro_steps = run_micro_steps(shape)
-        planned = plan_generation_batches(self._micro_steps, every)
-        batches_per_epoch = max(self._steps_in_epoch // every, 1)
-
-        def batch_number(index: int) -> int:
-            return planned[index].epoch * batches_per_epoch + planned[index].index_in_epoch
-
-        prompt_batches = repeated_prompt_batches(
-            self.train_dataset,
-            num_generations=self.num_generations,
-            local_batch_size=args.per_device_train_batch_size * args.steps_per_generation,
-            process_index=self.accelerator.process_index,
-            num_processes=self.accelerator.num_processes,
-            shuffle=self.shuffle_dataset,
-            seed=args.seed,
-            skip_batches=batch_number(0) if planned else 0,
-        )
-        settings = rollout_settings(self, batch_number)
-        # A resumed reproducible run regenerates its next batches with the versions the checkpoint kept for them.
-        earlier = load_kept_versions(self._resume_checkpoint) if args.reproducible_generation else {}
-        first_version = min([*earlier, start_version])
-        self._producer = BatchProducer(
-            backend=self._backend,
-            prompt_batches=prompt_batches,
-            rollout=lambda *args: run_rollout(settings, *args),
-            min_version=lambda index: oldest_allowed_version(planned[index], args.max_staleness, first_version),
-            num_batches=len(planned),
-            queue_size=args.max_staleness + 1,
-            asynchronous=args.async_generation,
-            num_threads=args.generation_num_threads,
-            poll_interval=args.generation_poll_interval,
-            exact_versions=args.reproducible_generation,
-            timeline=self.timeline,
-        )
+            self.set_initial_training_values(self.args, self.get_train_dataloader())
+        self._plan = plan_run(self)
+        self._producer, earlier = build_batch_producer(self, self._plan)
         self.last_batch_producer = self._producer
-        self._producer.start(self._unwrapped_model(), start_version, self._state_snapshot(), earlier_versions=earlier)
+        model, version = self._unwrapped_model(), self.state.global_step
+        self._producer.start(model, version, self._state_snapshot(), earlier_versions=earlier)
 
     def _stop_producer(self) -> BaseException | None:
         """Stop and join the generation thread. Returns the thread's exception that no batch request re-raised (it
@@ -421,146 +368,31 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         if self._producer is None:
             self._start_producer()
         run_step = self._step - self._run_start_step
-        if run_step >= len(self._micro_steps):
+        micro_steps = self._plan.micro_steps
+        if run_step >= len(micro_steps):
             raise RuntimeError(
                 f"The training loop ran more micro-steps ({run_step + 1}) than its shape predicts "
-                f"({len(self._micro_steps)}); the generation batches of this run are used up."
+                f"({len(micro_steps)}); the generation batches of this run are used up."
             )
-        planned = self._micro_steps[run_step]
-        if planned.version != self.state.global_step and not self._schedule_warned:
+        micro_step = micro_steps[run_step]
+        if micro_step.version != self.state.global_step and not self._schedule_warned:
             self._schedule_warned = True
             logger.warning(
                 "The training loop is at optimizer step %d where its shape predicts %d; the staleness bound may not "
                 "hold for this run (the generator never waits for weights the trainer cannot publish).",
                 self.state.global_step,
-                planned.version,
+                micro_step.version,
             )
-        position = planned.position % (self.args.steps_per_generation * self.num_iterations)
+        position = micro_step.position % self._plan.micro_steps_per_batch
         if position == 0 or self._buffered_inputs is None:
             with self.timeline.span(TRAINING_LANE, "take batch") as span_args:
-                batch = shuffle_sequence_dict(self._take_scored_batch())
+                scored, waited = self._producer.get()
+                self._step_timeline.batch_taken(scored.index, scored.version)
+                planned = self._plan.batches[scored.index]
+                batch = make_training_batch(self, scored, waited, planned, self._weight_sync_seconds)
+                self._weight_sync_seconds = 0.0
+                batch = shuffle_sequence_dict(batch)
                 span_args.update(self._step_timeline.batch)
             self._buffered_inputs = split_tensor_dict(batch, self.args.steps_per_generation)
         self._step_timeline.inputs_ready()
         return self._buffered_inputs[position % self.args.steps_per_generation]
-
-    def _take_scored_batch(self) -> dict:
-        """Main thread: the next scored batch, with everything that needs every process (advantages, the token
-        count, reward models partitioned by ZeRO-3) or the training weights (recomputed and reference log-probs)."""
-        device = self.accelerator.device
-        scored, waited = self._producer.get()
-        self._step_timeline.batch_taken(scored.index, scored.version)
-        data = {k: v.to(device) for k, v in scored.tensors.items()}
-        is_truncated, completion_lengths = scored.is_truncated.to(device), scored.completion_lengths.to(device)
-        batch_size = data["completion_ids"].size(0)
-        prompts, completions = scored.texts["prompt"], scored.texts["completion"]
-
-        local_rewards = scored.rewards_per_func.to(device)
-        for i in deferred_reward_columns(self):
-            values = score_with_reward_model(
-                self.reward_funcs[i],
-                self.reward_processing_classes[i],
-                prompts,
-                completions,
-                self.chat_template_kwargs,
-            )
-            local_rewards[:, i] = torch.tensor(values, dtype=torch.float32, device=device)
-        warn_about_unscorable_rows(local_rewards, scored.rows, prompts, completions)
-        rewards_per_func = self.accelerator.gather(local_rewards)
-        advantages, _, is_std_zero = group_advantages(
-            rewards_per_func,
-            self.reward_weights,
-            self.num_generations,
-            self.scale_rewards,
-            self.multi_objective_aggregation,
-        )
-        process_slice = slice(
-            self.accelerator.process_index * batch_size, (self.accelerator.process_index + 1) * batch_size
-        )
-        data["advantages"] = advantages[process_slice]
-        data["policy_version"] = data.pop("token_versions")  # (B, T): the version that generated each token
-        loss_mask = data["completion_mask"] * data["tool_mask"] if "tool_mask" in data else data["completion_mask"]
-        data["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
-        agent_values = tool_metrics(
-            self.accelerator, scored.tool_stats, data["policy_version"], loss_mask, completion_lengths
-        )
-        if scored.environments is not None:
-            self.environments = scored.environments  # GRPOTrainer's attribute: the latest batch's environments
-
-        prompt_completion_ids = torch.cat([data["prompt_ids"], data["completion_ids"]], dim=1)
-        attention_mask = torch.cat([data["prompt_mask"], data["completion_mask"]], dim=1)
-        logits_to_keep = data["completion_ids"].size(1)
-        if self.args.prox_logp_method in ("recompute", "metrics"):
-            start = time.perf_counter()
-            with torch.no_grad():
-                data["recomputed_proximal_logps"] = self._get_per_token_logps_and_entropies(
-                    self.model,
-                    prompt_completion_ids,
-                    attention_mask,
-                    logits_to_keep,
-                    batch_size=self.args.per_device_train_batch_size,
-                )[0]
-            data["recompute_version"] = torch.full((batch_size,), self.state.global_step, device=device)
-            self._sync_if_cuda()
-            end = time.perf_counter()
-            self.add_proximal_seconds(end - start)
-            self.timeline.record(TRAINING_LANE, "recompute forward", start, end, {"batch": scored.index})
-        if self.beta != 0.0:
-            with self.timeline.span(TRAINING_LANE, "reference forward", batch=scored.index):
-                data["ref_per_token_logps"] = self._reference_logps(
-                    prompt_completion_ids, attention_mask, logits_to_keep
-                )
-
-        values, tokens_seen = batch_metrics(
-            self.accelerator,
-            scored,
-            completion_lengths=completion_lengths,
-            prompt_lengths=data["prompt_mask"].sum(1),
-            is_truncated=is_truncated,
-            rewards_per_func=rewards_per_func,
-            is_std_zero=is_std_zero,
-            waited=waited,
-            queue_depth=len(self._producer.queue),
-            reward_weights=self.reward_weights,
-            reward_func_names=self.reward_func_names,
-        )
-        self.state.num_input_tokens_seen += tokens_seen
-        metrics = self._metrics["train"]
-        metrics["num_tokens"] = [self.state.num_input_tokens_seen]
-        values.update(agent_values)
-        values["async/weight_sync_time"] = self._weight_sync_seconds
-        self._weight_sync_seconds = 0.0
-        for name, value in values.items():
-            metrics[name].append(value)
-        self._log_reward_function_outputs(scored, prompts, completions, rewards_per_func, advantages)
-        return data
-
-    def _log_reward_function_outputs(self, scored, prompts, completions, rewards_per_func, advantages):
-        """GRPOTrainer's completion table and what reward functions logged, gathered over processes in the same
-        (sorted) order on every process."""
-        self._logs["prompt"].extend(gather_object(prompts))
-        self._logs["completion"].extend(gather_object(completions))
-        for i, name in enumerate(self.reward_func_names):
-            self._logs["rewards"][name].extend(rewards_per_func[:, i].tolist())
-        self._logs["advantages"].extend(advantages.tolist())
-        for column in sorted(set(gather_object(list(scored.extra_logs)))):
-            values = scored.extra_logs.get(column, [None] * len(prompts))
-            self._logs["extra"][column].extend(gather_object(values))
-        for name in sorted(set(gather_object(list(scored.logged_metrics)))):
-            values = scored.logged_metrics.get(name, [])
-            local = torch.tensor([sum(values), len(values)], dtype=torch.float32, device=self.accelerator.device)
-            total, count = self.accelerator.gather(local).view(-1, 2).sum(dim=0).tolist()
-            self._metrics["train"][name].append(total / count)
-
-    @torch.no_grad()
-    def _reference_logps(self, input_ids, attention_mask, logits_to_keep):
-        batch_size = self.args.per_device_train_batch_size
-        if self.ref_model is not None:
-            return self._get_per_token_logps_and_entropies(
-                self.ref_model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size
-            )[0]
-        model = self._unwrapped_model()
-        with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
-            return self._get_per_token_logps_and_entropies(
-                self.model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size
-            )[0]

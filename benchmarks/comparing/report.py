@@ -37,7 +37,7 @@ def profile_summary(path: str) -> dict | None:
         return None
     rules = [  # (label, substrings that must all be in the stack), first match wins: work before waits, since
         # with async_generation=False (the pieces-* runs) generation runs inside the trainer's get
-        ("recompute forward", ("_take_scored_batch", "_get_per_token_logps_and_entropies")),
+        ("recompute forward", ("attach_proximal_logps", "_get_per_token_logps_and_entropies")),
         ("behavior logps (recorded while sampling)", ("_record (", "sampling.py")),
         ("behavior logps (extra forward)", ("per_token_logps_fused",)),
         ("generate: model forward (decoding)", ("generate (", "_wrapped_call_impl")),
@@ -47,7 +47,7 @@ def profile_summary(path: str) -> dict | None:
         ("wait: generator waits for staleness bound", ("_wait_for_version",)),
         ("wait: queue full", ("put (", "generation/queue.py")),
         ("wait: trainer waits for samples", ("get (", "generation/producer.py")),
-        ("batch intake (move, gather, metrics)", ("_take_scored_batch",)),
+        ("batch intake (move, gather, metrics)", ("make_training_batch",)),
         ("weight refresh (generator copy)", ("refresh (", "generation/backend.py")),
         ("weight publish", ("_publish_weights",)),
         ("backward: LM head + log-softmax (TRL's chunked kernel)", ("backward (", "chunked_logprob.py")),

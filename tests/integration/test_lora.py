@@ -57,6 +57,7 @@ def test_ready_peft_model_and_beta_uses_adapter_disabled_reference(tokenizer, tm
     from tiny import length_reward, make_prompts
 
     from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
+    from a3po_trl.training_batch import reference_logps
 
     base = make_model(tokenizer)
     base_reference = copy.deepcopy(base)
@@ -75,7 +76,7 @@ def test_ready_peft_model_and_beta_uses_adapter_disabled_reference(tokenizer, tm
     ids = torch.randint(0, 256, (2, 12))
     mask = torch.ones_like(ids)
     with torch.no_grad():
-        reference = trainer._reference_logps(ids, mask, 6)
+        reference = reference_logps(trainer, ids, mask, 6)
         from trl.trainer.utils import add_fused_lm_head
 
         add_fused_lm_head(base_reference, temperature=trainer.temperature)

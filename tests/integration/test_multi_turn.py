@@ -328,7 +328,7 @@ def test_tools_train_with_tool_results_masked_out_of_the_loss(tool_tokenizer, tm
     for row in range(3):
         ids = inputs["completion_ids"][row][inputs["completion_mask"][row].bool()].tolist()
         mask = inputs["tool_mask"][row][: len(ids)].tolist()
-        versions = inputs["policy_version"][row][: len(ids)].tolist()
+        versions = inputs["token_versions"][row][: len(ids)].tolist()
         text = tool_tokenizer.decode(ids)
         if "<tool_response>" in text:  # a called tool: the result is attended to, not trained on
             tool_tokens = [t for t, m in zip(ids, mask) if m == 0]
@@ -395,7 +395,7 @@ def test_a_weight_update_during_a_tool_call_stales_the_trajectory_token_by_token
     second = seen[1]
     for row in range(3):
         mask = second["tool_mask"][row].bool() & second["completion_mask"][row].bool()
-        versions = second["policy_version"][row][mask].tolist()
+        versions = second["token_versions"][row][mask].tolist()
         assert versions[:call_length] == [0] * call_length
         assert set(versions[call_length:]) == {1}
     assert logged(trainer, "a3po/multi_version_trajectories_frac") == [0.0, 1.0]
@@ -546,7 +546,7 @@ def test_rollout_func_runs_in_the_generation_thread_with_versioned_weights(token
     assert seen_turns == [2] * 9
     for inputs in seen:
         tool_mask, mask = inputs["tool_mask"], inputs["completion_mask"].bool()
-        versions = inputs["policy_version"]
+        versions = inputs["token_versions"]
         assert ((tool_mask == 0) & mask).sum(1).tolist() == [len(feedback)] * 3
         assert (versions[(tool_mask == 0) & mask] == NO_VERSION).all()
         assert (versions[(tool_mask == 1) & mask] >= 0).all()

@@ -95,7 +95,7 @@ def test_predicted_versions_are_the_versions_the_loop_trains_at(tokenizer, tmp_p
     trainer.add_callback(recorder)
     trainer.train()
     actual = [version for kind, version in recorder.versions if kind in ("sub", "end")]
-    assert [step.version for step in trainer._micro_steps] == actual
+    assert [step.version for step in trainer._plan.micro_steps] == actual
     assert actual == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]  # windows [3, 2] in each 5-micro-step epoch
 
 
@@ -120,7 +120,7 @@ def test_resume_inside_a_batch_and_an_epoch_keeps_the_bound(tokenizer, tmp_path,
     with caplog.at_level(logging.WARNING, logger="a3po_trl"):
         resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
     _assert_bound_held(resumed, 1, caplog)
-    steps = resumed._micro_steps
+    steps = resumed._plan.micro_steps
     assert (steps[0].epoch, steps[0].position, steps[0].version) == (0, 3, 1)
     planned = plan_generation_batches(steps, 4)
     assert planned[0].first_offset == 3 and planned[0].micro_steps == 1  # the rest of the interrupted batch

@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
 
 from a3po_trl import AsyncA3POTrainer  # noqa: E402
 from a3po_trl import trainer as trainer_module  # noqa: E402
+from a3po_trl import training_batch as training_batch_module  # noqa: E402
 from a3po_trl.generation.producer import BatchProducer  # noqa: E402
 
 
@@ -90,14 +91,14 @@ def main():
         settings.update(save_strategy="steps", save_steps=1, max_staleness=1)
     args = distributed_script_config(out_dir, **settings)
     advantage_calls, local_advantages = [], []
-    group_advantages = trainer_module.group_advantages
+    group_advantages = training_batch_module.group_advantages
 
     def recording_group_advantages(rewards_per_func, *args, **kwargs):
         result = group_advantages(rewards_per_func, *args, **kwargs)
         advantage_calls.append({"rewards": rewards_per_func.tolist(), "advantages": result[0].tolist()})
         return result
 
-    trainer_module.group_advantages = recording_group_advantages
+    training_batch_module.group_advantages = recording_group_advantages
     lora_settings = dict(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
     peft_config = LoraConfig(**lora_settings, use_dora="--dora" in sys.argv) if lora else None
     tokenizer = make_tokenizer()
@@ -112,14 +113,14 @@ def main():
     )
     rank = trainer.accelerator.process_index
     report = {"rank": rank, "world_size": trainer.accelerator.num_processes}
-    take = trainer._take_scored_batch
+    make_training_batch = trainer_module.make_training_batch
 
-    def recording_take():
-        data = take()
+    def recording_make_training_batch(*args, **kwargs):
+        data = make_training_batch(*args, **kwargs)
         local_advantages.append(data["advantages"].tolist())
         return data
 
-    trainer._take_scored_batch = recording_take
+    trainer_module.make_training_batch = recording_make_training_batch
     batches = []  # (index, version, oldest allowed version, completion ids) of every batch, as the trainer takes them
     get = BatchProducer.get
 
