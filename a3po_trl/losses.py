@@ -7,8 +7,11 @@ the reference KL) is applied as GRPOTrainer applies it, reusing its helpers and 
 on-policy samples the loss, its gradient and its metrics are GRPOTrainer's.
 
 The proximal log-probs of the methods that anchor at the current weights (``recompute``, ``metrics``) are those of
-the weights the batch's first optimizer step trains: one no-grad forward over the whole batch computes them when the
-trainer takes it (:meth:`DecoupledLossMixin.attach_proximal_logps`).
+the weights the batch's first optimizer step trains. When no optimizer step falls between a batch's first micro-step
+and its last (one optimizer step per generation batch, or several batches per step), those are the weights every
+micro-step of the batch trains, and the training forward's own log-probs, detached, are the anchor: no other forward
+runs. Otherwise (``steps_per_generation > gradient_accumulation_steps``, ``num_iterations > 1``) one no-grad forward
+over the whole batch computes them when the trainer takes it (:meth:`DecoupledLossMixin.attach_proximal_logps`).
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ class ProximalMethod:
 
     anchor: str
     """The proximal log-probs the loss trains with: ``"loglinear"`` (A-3PO's interpolation between the behavior and
-    the current log-probs), ``"current"`` (the log-probs of the weights of the batch's first optimizer step, from a
-    recompute forward) or ``"behavior"``
+    the current log-probs), ``"current"`` (the log-probs of the weights of the batch's first optimizer step: the
+    training forward's own where those weights train the micro-batch, else a recompute forward's) or ``"behavior"``
     (the behavior log-probs themselves: no proximal policy, no behavior weight)."""
     interpolates: bool
     """Whether the log-linear estimate is computed (trained with, or measured against the ``"current"`` anchor)."""
@@ -55,10 +58,12 @@ PROXIMAL_METHOD_TABLE = {
 """``prox_logp_method`` -> what it computes (one entry per option of :data:`a3po_trl.PROXIMAL_METHODS`)."""
 
 
-def needs_recompute_forward(method: str) -> bool:
+def needs_recompute_forward(method: str, versions_training_batch: int) -> bool:
     """Whether ``method`` needs a no-grad forward when a batch is taken: it anchors at the weights of the batch's
-    first optimizer step."""
-    return PROXIMAL_METHOD_TABLE[method].anchor == "current"
+    first optimizer step, and ``versions_training_batch`` (the number of weight versions its micro-steps train with,
+    :attr:`PlannedBatch.span <a3po_trl.generation.schedule.PlannedBatch.span>`) says later micro-steps train newer
+    weights, whose own forward is not that anchor."""
+    return PROXIMAL_METHOD_TABLE[method].anchor == "current" and versions_training_batch > 1
 
 
 def _sync_if_cuda(device: torch.device) -> None:
@@ -81,11 +86,13 @@ class DecoupledLossMixin:
 
     _proximal_seconds: float = 0.0
 
-    def attach_proximal_logps(self, batch: dict, input_ids, attention_mask, batch_index: int) -> None:
+    def attach_proximal_logps(
+        self, batch: dict, input_ids, attention_mask, batch_index: int, versions_training_batch: int
+    ) -> None:
         """When the trainer takes a batch: add ``recomputed_proximal_logps`` (one no-grad forward of the current
         weights over the whole batch, in micro-batches) and ``recompute_version`` to ``batch``, if the method needs
         them there (:func:`needs_recompute_forward`); otherwise nothing, and the loss anchors as the method says."""
-        if not needs_recompute_forward(self.args.prox_logp_method):
+        if not needs_recompute_forward(self.args.prox_logp_method, versions_training_batch):
             return
         device = self.accelerator.device
         start = time.perf_counter()
@@ -112,9 +119,9 @@ class DecoupledLossMixin:
 
     def _proximal_logps(self, method: ProximalMethod, inputs, current_logps, staleness):
         """``(proximal, loglinear)`` log-probs as the method's table entry says: the A-3PO interpolation, the current
-        weights' (recomputed), both (``metrics``), or the behavior log-probs
+        weights' (the recomputed ones, or this forward's own, detached), both (``metrics``), or the behavior log-probs
         themselves (the ``behavior`` ablation). Only the interpolation is timed here (a recompute forward is timed
-        where it runs)."""
+        where it runs, and reusing this forward's log-probs costs nothing)."""
         if method.anchor == "behavior":
             return inputs["behavior_logps"], None
         start = time.perf_counter()
@@ -125,7 +132,8 @@ class DecoupledLossMixin:
             _sync_if_cuda(self.accelerator.device)
             self._proximal_seconds += time.perf_counter() - start
             return loglinear, loglinear
-        return inputs["recomputed_proximal_logps"], loglinear
+        recomputed = inputs.get("recomputed_proximal_logps")
+        return (current_logps.detach() if recomputed is None else recomputed), loglinear
 
     def _compute_a3po_loss(self, model, inputs):
         args = self.args

@@ -57,7 +57,7 @@ def make_training_batch(
     input_ids = torch.cat([data["prompt_ids"], data["completion_ids"]], dim=1)
     attention_mask = torch.cat([data["prompt_mask"], data["completion_mask"]], dim=1)
     logits_to_keep = data["completion_ids"].size(1)
-    trainer.attach_proximal_logps(data, input_ids, attention_mask, scored.index)
+    trainer.attach_proximal_logps(data, input_ids, attention_mask, scored.index, planned.span)
     if trainer.beta != 0.0:
         with trainer.timeline.span(TRAINING_LANE, "reference forward", batch=scored.index):
             data["ref_per_token_logps"] = reference_logps(trainer, input_ids, attention_mask, logits_to_keep)

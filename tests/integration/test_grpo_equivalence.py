@@ -157,7 +157,6 @@ def test_off_policy_loss_is_grpo_trainers_with_proximal_old_policy_and_rho_corre
     importance = torch.where(keep, rho, torch.where(mask.bool(), 0.0, 1.0))
     trl_inputs = {k: v for k, v in inputs.items() if k not in ("behavior_logps", "token_versions")}
     trl_inputs.pop("recomputed_proximal_logps")
-    trl_inputs.pop("recompute_version")
     trl_inputs.update(
         old_per_token_logps=proximal, importance_sampling_ratio=importance, sampling_per_token_logps=behavior
     )

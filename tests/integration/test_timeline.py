@@ -80,14 +80,14 @@ def _spans(trace, lane):
 
 
 def test_a_run_writes_both_threads_spans_with_versions_and_staleness(tokenizer, tmp_path):
-    trainer = make_trainer(tokenizer, tmp_path, max_steps=4, max_staleness=1, prox_logp_method="recompute")
+    trainer = make_trainer(tokenizer, tmp_path, max_steps=4, max_staleness=1)
     trainer.train()
     trace = json.loads(open(trace_path(trainer.args.output_dir, 0)).read())
     generation, training = _spans(trace, GENERATION_LANE), _spans(trace, TRAINING_LANE)
     generation_names = {e["name"] for e in generation}
     assert {"batch", "wait for staleness bound", "weight load", "generation", "rewards"} <= generation_names
     training_names = {e["name"] for e in training}
-    expected = {"step", "take batch", "wait for batch", "recompute forward", "forward/backward", "optimizer step"}
+    expected = {"step", "take batch", "wait for batch", "forward/backward", "optimizer step"}
     assert expected | {"publish weights"} <= training_names
     batches = sorted((e for e in generation if e["name"] == "batch"), key=lambda e: e["args"]["batch"])
     assert [e["args"]["batch"] for e in batches] == [0, 1, 2, 3]
