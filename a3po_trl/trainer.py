@@ -1,24 +1,21 @@
-"""`AsyncA3POTrainer`: TRL's GRPOTrainer with a background generator and A-3PO's decoupled loss.
+"""`AsyncA3POTrainer`: TRL's GRPOTrainer with a background generator and A-3PO's decoupled loss; here, its lifecycle
+and TRL's hooks.
 
-What changes relative to `GRPOTrainer`, and where:
-
-- ``_prepare_inputs`` takes versioned batches from the :class:`~a3po_trl.generation.BatchProducer` (generated and
-  scored in its thread, with the generator's own copy of the weights) instead of generating with the training module,
-  computes their advantages from every process's rewards as GRPOTrainer does, then buffers and splits them as TRL does.
-- ``compute_loss`` computes per-token staleness, the proximal log-probs (A-3PO interpolation, or a forward pass),
-  and the decoupled form of the configured loss (:mod:`a3po_trl.losses`).
+- ``train`` starts the batch producer (:mod:`a3po_trl.generation.producer`, assembled by :mod:`a3po_trl.builders`)
+  lazily and always stops and joins its thread; it raises the generation thread's error even when the thread failed
+  after the last batch the trainer took, and refuses to run while the thread of an earlier call is still alive (it
+  shares the generation backend).
+- ``_prepare_inputs`` takes the producer's scored batches, makes them training batches in the main thread
+  (:mod:`a3po_trl.training_batch`: advantages over every process, reference and proximal log-probs), then buffers and
+  splits them as TRL does; ``compute_loss`` is the decoupled loss (:mod:`a3po_trl.losses`).
 - A callback publishes the weights to the generator after every optimizer step.
-- ``train`` starts the batch producer lazily and always stops and joins its thread; it raises the generation thread's
-  error even when the thread failed after the last batch the trainer took, and refuses to run while the thread of an
-  earlier call is still alive (it shares the generation backend).
-- Both threads record their spans on a timeline (:mod:`a3po_trl.timeline`), written to
-  ``output_dir/timeline/trace-rank{k}.json`` (``-run{r}`` for a later run there) at every checkpoint and when
-  ``train`` ends, on a best-effort basis; ``save_timeline`` draws it.
-- Checkpoints are written into a staging folder and renamed when whole, and ``resume_from_checkpoint=True`` resumes
-  from the newest complete one (:mod:`a3po_trl.checkpoints.saves`).
+- Both threads record their spans on a timeline (:mod:`a3po_trl.timeline`), written to ``output_dir/timeline/`` at
+  every checkpoint and when ``train`` ends, best effort; ``save_timeline`` draws it.
+- Checkpoints are written whole or not at all, and ``resume_from_checkpoint=True`` resumes from the newest complete
+  one (:mod:`a3po_trl.checkpoints`). Under FSDP2, ``save_model`` writes whole weights (or a PEFT adapter) gathered
+  from every process's shards.
 
-Evaluation is unchanged: it generates synchronously through GRPOTrainer's own path. Under FSDP2, ``save_model`` writes
-whole weights (or a PEFT adapter) gathered from every process's shards.
+Evaluation is unchanged: it generates synchronously through GRPOTrainer's own path.
 """
 
 from __future__ import annotations
@@ -40,12 +37,12 @@ from .checkpoints import resolve_resume_checkpoint, save_checkpoint_atomically
 from .config import AsyncA3POConfig, trainer_config
 from .distributed import destroy_process_group_at_exit
 from .generation import BatchProducer, GenerationBackend
-from .generation.weights.names import without_checkpoint_wrapper
+from .generation.weights.gather import whole_state_dict
 from .generation.weights.version_checkpoint import save_kept_versions
 from .losses import DecoupledLossMixin
 from .patches import align_position_ids_with_generation
 from .rollout.rollout_func import generate_completions
-from .timeline import TRAINING_LANE, TimelineRecorder, TrainingStepTimeline, new_trace_path
+from .timeline import TRAINING_LANE, TimelineRecorder, TraceWriter, TrainingStepTimeline
 from .training_batch import make_training_batch
 from .validation import check_supported, check_train_dataset, check_trainer, effective_generation_config
 
@@ -144,11 +141,9 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         self._weight_sync_seconds = 0.0
         self._resume_checkpoint = None
         self._checkpoint_staging_dir: str | None = None
-        self._trace_file: tuple[str, str] | None = None
-        """(output_dir, the trace file this trainer writes in it)."""
-        self._trace_write_warnings: set[str] = set()
         self.timeline = TimelineRecorder(enabled=args.timeline)
         """The spans of both threads (see :mod:`a3po_trl.timeline`), kept across `train()` calls."""
+        self._trace_writer = TraceWriter(self.timeline)
         self._step_timeline = TrainingStepTimeline(self.timeline)
         self.add_callback(self._step_timeline)  # before the publication callback: a step's span ends before it
         self.add_callback(_PublishWeightsCallback(self))
@@ -208,20 +203,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         if self._producer is None:
             return None
         producer, self._producer = self._producer, None
-        if not producer.stop(timeout=self.args.generation_stop_timeout):
-            logger.warning(
-                "The a3po generation thread did not stop within %s s (stuck in a reward function or generate?); "
-                "it is a daemon thread and is left behind, and this trainer refuses to train again while it runs.",
-                self.args.generation_stop_timeout,
-            )
-        unreported = producer.unreported_error()
-        if unreported is None:
-            return None
-        error, after_stop = unreported
-        if after_stop:  # raised while it was being stopped: most likely the stop itself
-            logger.warning("The a3po generation thread raised while it was being stopped: %r", error)
-            return None
-        return error
+        return producer.shut_down(timeout=self.args.generation_stop_timeout)
 
     def _get_output_dir(self, trial):
         # While a checkpoint is written, transformers' save writes into its staging folder (see checkpoints/saves.py).
@@ -249,13 +231,8 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         model = self._unwrapped_model()
         if hasattr(model, "peft_config"):
             adapters = set(model.peft_config)
-            wanted = [
-                (name, p) for name, p in model.named_parameters() if p.requires_grad or adapters & set(name.split("."))
-            ]
-            state_dict = {
-                without_checkpoint_wrapper(name): t.to("cpu", copy=True)  # as PEFT names them without the wrapper
-                for name, t in weight_gather(self).full_tensors(wanted)
-            }
+            wanted = [(n, p) for n, p in model.named_parameters() if p.requires_grad or adapters & set(n.split("."))]
+            state_dict = whole_state_dict(weight_gather(self), wanted)
         else:
             state_dict = self.accelerator.get_state_dict(self.model)  # full, on the main process, in CPU memory
         self._save(output_dir, state_dict=state_dict)
@@ -263,30 +240,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _write_trace(self) -> str | None:
-        """Write this process's timeline (when ``timeline`` is on) to its trace file: the first of
-        ``output_dir/timeline/trace-rank{k}.json``, ``trace-rank{k}-run2.json``, ... that did not exist when this
-        trainer first wrote, so a resumed run keeps the earlier run's trace. Best effort: a failure (a full disk, no
-        permission) is a warning, never an error; the run and its checkpoints matter more than its trace."""
-        if not self.timeline.enabled:
-            return None
-        output_dir, index = self.args.output_dir, self.accelerator.process_index
-        path = None
-        try:
-            if self._trace_file is None or self._trace_file[0] != output_dir:
-                self._trace_file = (output_dir, new_trace_path(output_dir, index))
-            path = self._trace_file[1]
-            return self.timeline.write_chrome_trace(path, index)
-        except Exception as error:  # noqa: BLE001 - best effort, reported
-            message = f"{type(error).__name__}: {error}"
-            if message not in self._trace_write_warnings:  # once per distinct failure, not at every checkpoint
-                self._trace_write_warnings.add(message)
-                logger.warning(
-                    "Could not write the timeline trace %s (%s); training goes on without it. Make "
-                    "output_dir/timeline writable, or set timeline=False.",
-                    path or os.path.join(output_dir, "timeline"),
-                    message,
-                )
-            return None
+        return self._trace_writer.write(self.args.output_dir, self.accelerator.process_index)
 
     def save_timeline(self, path: str | None = None, last_steps: int = 20) -> str:
         """Draw the last ``last_steps`` optimizer steps of the timeline as a PNG (needs matplotlib: the ``plots``

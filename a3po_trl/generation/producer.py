@@ -10,6 +10,7 @@ runs a collective: everything it does is local to its process.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +23,8 @@ from ..timeline import GENERATION_LANE, TRAINING_LANE, TimelineRecorder, batch_s
 from ..types import GenerationStopped, ScoredBatch
 from .backend import GenerationBackend
 from .queue import VersionedSampleQueue
+
+logger = logging.getLogger(__name__)
 
 
 class BatchProducer:
@@ -180,6 +183,25 @@ class BatchProducer:
             thread.join(timeout)
             return not thread.is_alive()
         return True
+
+    def shut_down(self, timeout: float = 30.0) -> BaseException | None:
+        """:meth:`stop`, for good: returns the thread's exception that no :meth:`get` re-raised (it failed after the
+        trainer's last batch), if any. A thread that does not end within ``timeout`` (left behind: a daemon) and an
+        exception raised while it was being stopped (most likely by the stop itself) are logged instead."""
+        if not self.stop(timeout=timeout):
+            logger.warning(
+                "The a3po generation thread did not stop within %s s (stuck in a reward function or generate?); "
+                "it is a daemon thread and is left behind, and this trainer refuses to train again while it runs.",
+                timeout,
+            )
+        unreported = self.unreported_error()
+        if unreported is None:
+            return None
+        error, after_stop = unreported
+        if after_stop:
+            logger.warning("The a3po generation thread raised while it was being stopped: %r", error)
+            return None
+        return error
 
     @property
     def thread(self) -> threading.Thread | None:

@@ -135,7 +135,7 @@ def test_an_unwritable_timeline_folder_lets_training_and_its_checkpoints_finish_
 ):
     _block_the_timeline_folder(tmp_path)
     trainer = make_trainer(tokenizer, tmp_path, max_steps=2, save_strategy="steps", save_steps=1)
-    with caplog.at_level(logging.WARNING, logger="a3po_trl.trainer"):
+    with caplog.at_level(logging.WARNING, logger="a3po_trl.timeline.recorder"):
         trainer.train()
     assert trainer.state.global_step == 2
     assert checkpoint_problems(str(tmp_path / "out" / "checkpoint-2")) == []
