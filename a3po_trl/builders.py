@@ -250,8 +250,8 @@ class RunPlan:
 
     micro_steps: list[MicroStep]
     batches: list[PlannedBatch]
-    """Batch ``i`` of the run (:attr:`ScoredBatch.index <a3po_trl.types.ScoredBatch.index>` ``i``), with the
-    micro-steps and versions that train on it."""
+    """Batch ``i`` of the run (the scored batch whose ``index`` is ``i``), with the micro-steps and versions that
+    train on it."""
     micro_steps_per_batch: int
     """``steps_per_generation * num_iterations``: the micro-steps that train on one generation batch."""
 
