@@ -1,4 +1,5 @@
-"""The batch schedule follows transformers' real training loop (a3po_trl.schedule), so max_staleness always holds."""
+"""The batch schedule follows transformers' real training loop (a3po_trl.generation.schedule), so max_staleness
+always holds."""
 
 import logging
 

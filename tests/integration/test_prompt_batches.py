@@ -1,4 +1,5 @@
-"""The generator's prompts are the ones GRPOTrainer's dataloader gives, map-style and streamed (a3po_trl.prompts)."""
+"""The generator's prompts are the ones GRPOTrainer's dataloader gives, map-style and streamed
+(a3po_trl.rollout.prompt_batches)."""
 
 import pytest
 from datasets import Dataset, IterableDataset
