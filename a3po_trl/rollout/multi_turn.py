@@ -1,4 +1,4 @@
-"""Multi-turn rollouts in the generation thread: tool calls and environments, with GRPOTrainer's semantics.
+"""Multi-turn rollouts in the generation thread: the tool-call loop and environments, with GRPOTrainer's semantics.
 
 What GRPOTrainer does in its main thread for ``tools=[...]`` and ``environment_factory`` (``_generate_and_score_
 completions``, ``_generate`` and ``_tool_call_loop`` in TRL 1.16), done here for one local batch with a
