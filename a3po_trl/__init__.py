@@ -13,7 +13,7 @@ from .functional import (
     proximal_approximation_error,
     staleness_weight,
 )
-from .generation import GenerationBackend, GenerationEngine, HFGenerateBackend, ScoredBatch, VersionedSampleQueue
+from .generation import BatchProducer, GenerationBackend, HFGenerateBackend, ScoredBatch, VersionedSampleQueue
 from .trainer import AsyncA3POTrainer
 
 __version__ = "0.1.0"
@@ -22,7 +22,7 @@ __all__ = [
     "AsyncA3POConfig",
     "AsyncA3POTrainer",
     "CAP_MODES",
-    "GenerationEngine",
+    "BatchProducer",
     "GenerationBackend",
     "HFGenerateBackend",
     "LOSS_TYPES",

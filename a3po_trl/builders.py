@@ -3,16 +3,18 @@
 GRPOTrainer keeps what it has set up (the generation config, the tokenizer, tools and environments, reward functions,
 ZeRO-3 and FSDP2 state) as attributes of the trainer. The generation thread must never read the trainer while it
 trains, so everything it needs is read here once, in the main thread, and copied into plain settings: the generation
-backend (Hugging Face ``generate`` or vLLM) and its sampling settings, the rollout settings (tokenizers of its own,
-reward functions, the seed of each batch's random stream) and the multi-turn settings.
+backend (Hugging Face ``generate`` or vLLM) and its sampling settings, the batch producer of each ``train()`` call
+(the run's plan of micro-steps and batches, its prompt batches, the oldest version allowed for each batch), the
+rollout settings (tokenizers of its own, reward functions, the seed of each batch's random stream) and the multi-turn
+settings.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
 from trl.data_utils import is_conversational
@@ -23,8 +25,18 @@ from .distributed import private_store
 from .generation.backend import GenerationBackend
 from .generation.hf import HFGenerateBackend, HFGenerationSettings
 from .generation.hf.sampling import processed_sampling, records_logps, samples_with_own_stream, sampling_deviations
-from .generation.vllm.common import VLLMSamplingSettings, active_lora, unsupported_lora_reason
-from .generation.vllm.setup import engine_dtype
+from .generation.producer import BatchProducer
+from .generation.schedule import (
+    MicroStep,
+    PlannedBatch,
+    TrainingLoopShape,
+    oldest_allowed_version,
+    plan_generation_batches,
+    run_micro_steps,
+)
+from .generation.vllm.make_backend import engine_dtype
+from .generation.vllm.sampling import VLLMSamplingSettings
+from .generation.vllm.weight_loading import active_lora, unsupported_lora_reason
 from .generation.weights import (
     ContextGather,
     DTensorGather,
@@ -34,9 +46,12 @@ from .generation.weights import (
     mixed_precision_dtype,
 )
 from .generation.weights.memory_plan import GeneratorSetup, free_device_memory, plan_generator_memory
+from .generation.weights.version_checkpoint import load_kept_versions
 from .patches import align_position_ids_with_generation, cast_lm_head_to_fp32, peft_base_model
-from .rollout import RolloutSettings, decode_completions
+from .rollout import RolloutSettings, decode_completions, run_rollout
 from .rollout.multi_turn import AgentSettings
+from .rollout.prompt_batches import repeated_prompt_batches
+from .rollout.seeds import sampling_seeds
 
 logger = logging.getLogger(__name__)
 
@@ -152,49 +167,6 @@ def _build_hf_backend(trainer, dtype: torch.dtype | None) -> HFGenerateBackend:
     )
 
 
-def effective_generation_config(trainer):
-    """The generation config ``generate`` will really use (TRL's, completed from the model's own), checked: its
-    temperature must be the one the training log-probs are scaled by; what makes it sample from another distribution
-    than ``softmax(logits / temperature)`` is reported (processed distributions the generator records are said once,
-    the rest is a warning)."""
-    target = peft_base_model(trainer._unwrapped_model())
-    config = copy.deepcopy(trainer.generation_config)
-    try:
-        if not trainer._use_vllm_backend:  # vLLM samples with TRL's settings only, not the model's generation_config
-            config, _ = target._prepare_generation_config(config)
-    except (AttributeError, TypeError):  # a transformers without the merge helper: use TRL's config as it is
-        pass
-    if config.temperature is not None and abs(config.temperature - trainer.temperature) > 1e-12:
-        # A conflicting temperature in generation_kwargs is refused by the config already (before loading).
-        in_kwargs = (trainer.args.generation_kwargs or {}).get("temperature")
-        source = "generation_kwargs" if in_kwargs == config.temperature else "the model's generation_config"
-        raise ValueError(
-            f"{source} sets temperature={config.temperature}, but the training log-probs are scaled by "
-            f"temperature={trainer.temperature}: behavior and training log-probs would score different "
-            f"distributions. Set temperature={config.temperature} in the config instead of in {source}."
-        )
-    # The generate backend records the log-probs of a processed sampling distribution (top-k/p, penalties, ...)
-    # under plain sampling; vLLM refuses such settings before any model loads (validation.check_vllm_sampling).
-    recorded = [] if trainer._use_vllm_backend or not samples_with_own_stream(config) else processed_sampling(config)
-    unrecorded = [d for d in sampling_deviations(config) if d not in recorded]
-    if unrecorded:
-        logger.warning(
-            "Sampling with %s draws tokens from a different distribution than the temperature-scaled one the "
-            "behavior and training log-probs are computed from, which biases the importance ratios (set in the "
-            "config, generation_kwargs, or the model's generation_config). Use plain sampling (do_sample=True, "
-            "num_beams=1) for unbiased A-3PO updates.",
-            ", ".join(unrecorded),
-        )
-    if recorded:
-        logger.info(
-            "Sampling with %s: the generator records the log-probs of the processed distribution it draws each "
-            "token from, which enter the behavior weight pi_prox / pi_sampling; the trust region stays anchored "
-            "at the untruncated policy (an on-policy token has ratio 1, as in GRPOTrainer).",
-            ", ".join(recorded),
-        )
-    return config
-
-
 def hf_generation_settings(trainer) -> HFGenerationSettings:
     """How the ``generate`` backend samples, from the trainer's effective generation config."""
     effective = trainer._generation_config_checked
@@ -246,7 +218,7 @@ def vllm_sampling_settings(trainer) -> VLLMSamplingSettings:
 
 
 def _build_vllm_backend(trainer) -> GenerationBackend:
-    from .generation.vllm.setup import build_vllm_backend
+    from .generation.vllm.make_backend import build_vllm_backend
 
     args = trainer.args
     module = trainer._unwrapped_model()
@@ -269,6 +241,77 @@ def _build_vllm_backend(trainer) -> GenerationBackend:
         shared=shared,
         mixed_precision=trainer.accelerator.mixed_precision,
     )
+
+
+# ---- the batch producer --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RunPlan:
+    """The shape of one ``train()`` call's loop: every micro-step, and the generation batches they train on."""
+
+    micro_steps: list[MicroStep]
+    batches: list[PlannedBatch]
+    """Batch ``i`` of the run (the scored batch whose ``index`` is ``i``), with the micro-steps and versions that
+    train on it."""
+    micro_steps_per_batch: int
+    """``steps_per_generation * num_iterations``: the micro-steps that train on one generation batch."""
+
+
+def plan_run(trainer) -> RunPlan:
+    """The micro-steps and generation batches of the run starting now, following the loop transformers runs
+    (:mod:`a3po_trl.generation.schedule`); the trainer has read the loop's shape (``set_initial_training_values``)."""
+    args = trainer.args
+    shape = TrainingLoopShape(
+        steps_in_epoch=trainer._steps_in_epoch,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        max_steps=trainer.state.max_steps,
+        start_step=trainer.state.global_step,
+        skip_trained_data=not args.ignore_data_skip,
+    )
+    every = args.steps_per_generation * trainer.num_iterations
+    micro_steps = run_micro_steps(shape)
+    return RunPlan(micro_steps, plan_generation_batches(micro_steps, every), every)
+
+
+def build_batch_producer(trainer, plan: RunPlan) -> tuple[BatchProducer, dict]:
+    """The batch producer of the run ``plan`` describes, generating with the trainer's backend: its prompt batches
+    (from where the run starts in the sampler's order), its rollouts, and the oldest version allowed to generate each
+    batch. Also returns the versions a resumed reproducible run regenerates its next batches with (kept by the
+    checkpoint), to publish again before the current weights (``earlier_versions`` of :meth:`BatchProducer.start`)."""
+    args = trainer.args
+    planned = plan.batches
+    batches_per_epoch = max(trainer._steps_in_epoch // plan.micro_steps_per_batch, 1)
+
+    def batch_number(index: int) -> int:
+        return planned[index].epoch * batches_per_epoch + planned[index].index_in_epoch
+
+    prompt_batches = repeated_prompt_batches(
+        trainer.train_dataset,
+        num_generations=trainer.num_generations,
+        local_batch_size=args.per_device_train_batch_size * args.steps_per_generation,
+        process_index=trainer.accelerator.process_index,
+        num_processes=trainer.accelerator.num_processes,
+        shuffle=trainer.shuffle_dataset,
+        seed=args.seed,
+        skip_batches=batch_number(0) if planned else 0,
+    )
+    settings = rollout_settings(trainer, batch_number)
+    # A resumed reproducible run regenerates its next batches with the versions the checkpoint kept for them.
+    earlier = load_kept_versions(trainer._resume_checkpoint) if args.reproducible_generation else {}
+    first_version = min([*earlier, trainer.state.global_step])
+    producer = BatchProducer(
+        backend=trainer._backend,
+        prompt_batches=prompt_batches,
+        rollout=lambda *args: run_rollout(settings, *args),
+        min_version=lambda index: oldest_allowed_version(planned[index], args.max_staleness, first_version),
+        num_batches=len(planned),
+        queue_size=args.max_staleness + 1,
+        asynchronous=args.async_generation,
+        num_threads=args.generation_num_threads,
+        poll_interval=args.generation_poll_interval,
+        exact_versions=args.reproducible_generation,
+        timeline=trainer.timeline,
+    )
+    return producer, earlier
 
 
 # ---- the rollout ---------------------------------------------------------------------------------------------------
@@ -322,17 +365,6 @@ def rollout_settings(trainer, batch_numbers=None) -> RolloutSettings:
         rollout_func=trainer.rollout_func,
         rollout_owner=trainer,
     )
-
-
-def sampling_seeds(seed: int, process_index: int, batch_numbers):
-    """Seed of each batch's random stream: from ``seed``, the process and the batch's global number, so every process
-    and batch has its own stream and a resumed run regenerates a batch with the stream it had."""
-
-    def batch_seed(index: int) -> int:
-        sequence = np.random.SeedSequence([seed, process_index, batch_numbers(index)])
-        return int(sequence.generate_state(1, dtype=np.uint64)[0] >> 1)
-
-    return batch_seed
 
 
 def deferred_reward_columns(trainer) -> frozenset[int]:

@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 PROXIMAL_METHODS = ("loglinear", "recompute", "metrics", "behavior")
-"""How the proximal log-probs are obtained: A-3PO's interpolation, a forward pass, both (to measure the error), or
-not at all (``behavior``: the ablation without a proximal policy, the trust region anchored at the behavior policy)."""
+"""How the proximal log-probs are obtained: A-3PO's interpolation, the log-probs of the weights of the batch's first
+optimizer step (``recompute``), both (``metrics``, to measure the error), or not at all (``behavior``: the ablation
+without a proximal policy, the trust region anchored at the behavior policy). :mod:`a3po_trl.losses` says what each
+computes, and when ``recompute`` pays a forward."""
 
 CAP_MODES = ("token_mask", "token_truncate", "sequence_mask", "sequence_truncate")
 """How the behavior importance weight is capped: per token or per sequence (geometric mean), masked or clamped."""
@@ -41,11 +43,17 @@ class AsyncA3POConfig(GRPOConfig):
 
         prox_logp_method (`str`, *optional*, defaults to `"loglinear"`):
             How the proximal log-probs of decoupled PPO are obtained. `"loglinear"` is A-3PO: a staleness-aware
-            interpolation between the behavior and the current log-probs, no forward pass. `"recompute"` runs one
-            no-grad forward pass of the current weights over each batch when it is consumed (standard decoupled PPO);
-            with one optimizer step per generation batch (`steps_per_generation=1`, `num_iterations=1`) the ratio
-            is 1 at the update, so its clip never engages and only `behavior_weight_cap` bounds the step.
-            `"metrics"` recomputes, trains with the recomputed values, and logs the error of the log-linear estimate.
+            interpolation between the behavior and the current log-probs, no forward pass. `"recompute"` anchors at
+            the weights of the batch's first optimizer step (standard decoupled PPO). Where every micro-batch of a
+            generation batch is trained before that batch's first optimizer step (one optimizer step per generation
+            batch: `steps_per_generation == gradient_accumulation_steps` and `num_iterations=1`, or several batches per
+            step), those are the weights being trained: the training forward's own log-probs, detached, are the
+            anchor, no extra forward runs, the ratio is 1, its clip never engages and only `behavior_weight_cap` bounds
+            the step. With several optimizer steps per generation batch (`steps_per_generation >
+            gradient_accumulation_steps` or `num_iterations > 1`) one no-grad forward over the batch computes the
+            anchor when the batch is taken, and the clip acts on the micro-steps after the first optimizer step: that
+            forward is the cost of `"recompute"` over `"loglinear"`. `"metrics"` anchors as `"recompute"` does, and
+            also logs the error of the log-linear estimate against that anchor.
             `"behavior"` is an ablation, the loss of asynchronous trainers without a separate proximal policy (TRL's
             experimental `AsyncGRPOTrainer` computes it from its engine's log-probs): the trust region is anchored at
             the behavior policy itself, one clipped ratio `pi_theta / pi_behav` and no behavior importance weight (it
@@ -80,8 +88,8 @@ class AsyncA3POConfig(GRPOConfig):
             of overlap between generation and training (`1` with GRPOConfig's defaults).
         async_generation (`bool`, *optional*, defaults to `True`):
             Generate in a background thread that overlaps with training. `False` generates in the main thread
-            when a batch is needed (still versioned and scored by the same engine): useful for debugging and for
-            bit-exact reproducibility.
+            when a batch is needed (still versioned and scored by the same batch producer): useful for debugging and
+            for bit-exact reproducibility.
         reproducible_generation (`bool`, *optional*, defaults to `False`):
             Generate every batch with exactly the weight version the staleness schedule assigns it (the oldest the
             bound allows: staleness is then exactly `max_staleness` after the first batches), instead of the newest
@@ -165,7 +173,7 @@ class AsyncA3POConfig(GRPOConfig):
         timeline (`bool`, *optional*, defaults to `True`):
             Record the spans of the generation thread and of the training thread on one clock (each generation
             batch: waiting for the staleness bound or for queue room, weight loads, generation, behavior log-probs,
-            rewards, tool calls; each optimizer step: waiting for a batch, forward/backward, the recompute forward,
+            rewards, tool calls; each optimizer step: waiting for a batch, forward/backward, a recompute forward,
             the optimizer step, weight publication) and write them as a Chrome trace to
             `output_dir/timeline/trace-rank{k}.json` (one per process, `trace-rank{k}-run{r}.json` for a later run
             in the same folder; open it in Perfetto or `chrome://tracing`) at every checkpoint and at the end of
@@ -178,7 +186,8 @@ class AsyncA3POConfig(GRPOConfig):
         default="loglinear",
         metadata={
             "help": "How the proximal log-probs are obtained: 'loglinear' (A-3PO interpolation, no forward pass), "
-            "'recompute' (one no-grad forward per batch), 'metrics' (recompute and log the loglinear error) or "
+            "'recompute' (the weights of the batch's first optimizer step: a no-grad forward per batch only when "
+            "it spans several optimizer steps), 'metrics' (recompute and log the loglinear error) or "
             "'behavior' (ablation: the behavior policy as anchor, no behavior weight).",
             "choices": list(PROXIMAL_METHODS),
         },

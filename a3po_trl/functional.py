@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from trl.trainer.utils import nanstd
 
-from .config import CAP_MODES, LOSS_TYPES, PROXIMAL_METHODS  # noqa: F401 - the options of these functions
+from .config import CAP_MODES, LOSS_TYPES
 
 
 def _broadcast_to_tokens(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

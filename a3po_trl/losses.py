@@ -1,14 +1,23 @@
-"""The trainer's loss: GRPOTrainer's ``_compute_loss``, step for step, with A-3PO's decoupled policy term.
+"""The trainer's loss: GRPOTrainer's ``_compute_loss``, step for step, with A-3PO's decoupled policy term, and the
+one place the proximal method is decided (:data:`PROXIMAL_METHOD_TABLE`).
 
 The pieces that are A-3PO's own are pure functions in :mod:`a3po_trl.functional`; what is GRPOTrainer's (the entropy
 bonus and its adaptive controller, the high-entropy token mask, the off-policy sequence mask, the MoE auxiliary loss,
 the reference KL) is applied as GRPOTrainer applies it, reusing its helpers and its state attributes, so that with
 on-policy samples the loss, its gradient and its metrics are GRPOTrainer's.
+
+The proximal log-probs of the methods that anchor at the current weights (``recompute``, ``metrics``) are those of
+the weights the batch's first optimizer step trains. When no optimizer step falls between a batch's first micro-step
+and its last (one optimizer step per generation batch, or several batches per step), those are the weights every
+micro-step of the batch trains, and the training forward's own log-probs, detached, are the anchor: no other forward
+runs. Otherwise (``steps_per_generation > gradient_accumulation_steps``, ``num_iterations > 1``) one no-grad forward
+over the whole batch computes them when the trainer takes it (:meth:`DecoupledLossMixin.attach_proximal_logps`).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -17,38 +26,89 @@ from .functional import (
     approximate_proximal_logps,
     decoupled_ppo_loss,
     kl_to_reference,
-    proximal_approximation_error,
     token_staleness,
 )
-from .metrics import loss_metrics
+from .metrics import approximation_error_metrics, behavior_drift_metrics, behavior_mismatch_metrics, loss_metrics
+from .timeline import TRAINING_LANE
 
 #: Loss types whose scalar GRPOTrainer divides by the accumulation steps after computing it (its ``policy_loss`` is
 #: logged before that division); the others are normalized by the generation batch's token count.
 _PER_STEP_NORMALIZED = ("grpo", "sapo", "bnpo", "dr_grpo", "luspo")
 
 
+@dataclass(frozen=True)
+class ProximalMethod:
+    """What one ``prox_logp_method`` computes."""
+
+    anchor: str
+    """The proximal log-probs the loss trains with: ``"loglinear"`` (A-3PO's interpolation between the behavior and
+    the current log-probs), ``"current"`` (the log-probs of the weights of the batch's first optimizer step: the
+    training forward's own where those weights train the micro-batch, else a recompute forward's) or ``"behavior"``
+    (the behavior log-probs themselves: no proximal policy, no behavior weight)."""
+    interpolates: bool
+    """Whether the log-linear estimate is computed (trained with, or measured against the ``"current"`` anchor)."""
+
+
+PROXIMAL_METHOD_TABLE = {
+    "loglinear": ProximalMethod(anchor="loglinear", interpolates=True),
+    "recompute": ProximalMethod(anchor="current", interpolates=False),
+    "metrics": ProximalMethod(anchor="current", interpolates=True),
+    "behavior": ProximalMethod(anchor="behavior", interpolates=False),
+}
+"""``prox_logp_method`` -> what it computes (one entry per option of :data:`a3po_trl.PROXIMAL_METHODS`)."""
+
+
+def needs_recompute_forward(method: str, versions_training_batch: int) -> bool:
+    """Whether ``method`` needs a no-grad forward when a batch is taken: it anchors at the weights of the batch's
+    first optimizer step, and ``versions_training_batch`` (the number of weight versions its micro-steps train with,
+    :attr:`PlannedBatch.span <a3po_trl.generation.schedule.PlannedBatch.span>`) says later micro-steps train newer
+    weights, whose own forward is not that anchor."""
+    return PROXIMAL_METHOD_TABLE[method].anchor == "current" and versions_training_batch > 1
+
+
+def _sync_if_cuda(device: torch.device) -> None:
+    """Wait for the device, so that a timing covers the kernels it started."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class DecoupledLossMixin:
-    """``compute_loss`` of :class:`~a3po_trl.AsyncA3POTrainer`, mixed into a GRPOTrainer subclass.
+    """``compute_loss`` of :class:`~a3po_trl.AsyncA3POTrainer`, and the proximal log-probs a batch needs when it is
+    taken (:meth:`attach_proximal_logps`), mixed into a GRPOTrainer subclass.
 
     What it reads of the trainer is GRPOTrainer's own state (``args``, ``state``, ``accelerator``, ``_metrics``, the
     loss settings it derives from the config, the entropy controller's attributes,
-    ``_get_per_token_logps_and_entropies`` and the mask helpers), plus what a batch carries (``behavior_logps``,
-    ``policy_version``, and where they apply ``sampling_logps``, ``recomputed_proximal_logps``,
-    ``recompute_version``, ``ref_per_token_logps``). Its own state is
-    the seconds spent on proximal log-probs since the last log, which the trainer adds to with
-    :meth:`add_proximal_seconds` when it recomputes them in a forward.
+    ``_get_per_token_logps_and_entropies`` and the mask helpers) and its ``timeline``, plus what a batch carries
+    (``behavior_logps``, ``token_versions``, and where they apply ``sampling_logps``, ``recomputed_proximal_logps``,
+    ``recompute_version``, ``ref_per_token_logps``). Its own state is the seconds spent on proximal log-probs since
+    the last log (``a3po/prox_time``).
     """
 
     _proximal_seconds: float = 0.0
 
-    def add_proximal_seconds(self, seconds: float) -> None:
-        """Count ``seconds`` spent obtaining proximal log-probs (logged as ``a3po/prox_time``)."""
-        self._proximal_seconds += seconds
-
-    def _sync_if_cuda(self):
-        """Wait for the device, so that a timing covers the kernels it started."""
-        if self.accelerator.device.type == "cuda":
-            torch.cuda.synchronize(self.accelerator.device)
+    def attach_proximal_logps(
+        self, batch: dict, input_ids, attention_mask, batch_index: int, versions_training_batch: int
+    ) -> None:
+        """When the trainer takes a batch: add ``recomputed_proximal_logps`` (one no-grad forward of the current
+        weights over the whole batch, in micro-batches) and ``recompute_version`` to ``batch``, if the method needs
+        them there (:func:`needs_recompute_forward`); otherwise nothing, and the loss anchors as the method says."""
+        if not needs_recompute_forward(self.args.prox_logp_method, versions_training_batch):
+            return
+        device = self.accelerator.device
+        start = time.perf_counter()
+        with torch.no_grad():
+            batch["recomputed_proximal_logps"] = self._get_per_token_logps_and_entropies(
+                self.model,
+                input_ids,
+                attention_mask,
+                batch["completion_ids"].size(1),
+                batch_size=self.args.per_device_train_batch_size,
+            )[0]
+        batch["recompute_version"] = torch.full((input_ids.size(0),), self.state.global_step, device=device)
+        _sync_if_cuda(device)
+        end = time.perf_counter()
+        self._proximal_seconds += end - start
+        self.timeline.record(TRAINING_LANE, "recompute forward", start, end, {"batch": batch_index})
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs:
@@ -57,21 +117,23 @@ class DecoupledLossMixin:
             return self._compute_loss(model, inputs)
         return self._compute_a3po_loss(model, inputs)
 
-    def _proximal_logps(self, inputs, current_logps, staleness):
-        """``(proximal, loglinear)`` log-probs: the A-3PO interpolation, the recomputed ones, both (metrics), or the
-        behavior log-probs themselves (the ``behavior`` ablation: no forward, no interpolation, nothing timed)."""
-        method = self.args.prox_logp_method
-        if method == "behavior":
+    def _proximal_logps(self, method: ProximalMethod, inputs, current_logps, staleness):
+        """``(proximal, loglinear)`` log-probs as the method's table entry says: the A-3PO interpolation, the current
+        weights' (the recomputed ones, or this forward's own, detached), both (``metrics``), or the behavior log-probs
+        themselves (the ``behavior`` ablation). Only the interpolation is timed here (a recompute forward is timed
+        where it runs, and reusing this forward's log-probs costs nothing)."""
+        if method.anchor == "behavior":
             return inputs["behavior_logps"], None
         start = time.perf_counter()
         loglinear = None
-        if method in ("loglinear", "metrics"):
+        if method.interpolates:
             loglinear = approximate_proximal_logps(inputs["behavior_logps"], current_logps, staleness)
-        if method == "loglinear":
-            self._sync_if_cuda()
-            self.add_proximal_seconds(time.perf_counter() - start)
+        if method.anchor == "loglinear":
+            _sync_if_cuda(self.accelerator.device)
+            self._proximal_seconds += time.perf_counter() - start
             return loglinear, loglinear
-        return inputs["recomputed_proximal_logps"], loglinear
+        recomputed = inputs.get("recomputed_proximal_logps")
+        return (current_logps.detach() if recomputed is None else recomputed), loglinear
 
     def _compute_a3po_loss(self, model, inputs):
         args = self.args
@@ -101,12 +163,13 @@ class DecoupledLossMixin:
         # The distribution the tokens were drawn from, where the sampler truncated or penalised the policy's: the
         # denominator of the behavior weight (the anchor stays the untruncated behavior policy).
         sampling_logps = inputs.get("sampling_logps", behavior_logps)
-        staleness = token_staleness(self.state.global_step, inputs["policy_version"])
-        proximal_logps, loglinear_logps = self._proximal_logps(inputs, current_logps, staleness)
+        staleness = token_staleness(self.state.global_step, inputs["token_versions"])
+        method = PROXIMAL_METHOD_TABLE[args.prox_logp_method]
+        proximal_logps, loglinear_logps = self._proximal_logps(method, inputs, current_logps, staleness)
         # The ``behavior`` ablation has no behavior weight: rho = pi_prox / pi_sampling with pi_prox = pi_behav would
         # still carry the sampler's truncation, so the weight's denominator is the behavior policy too (rho = 1
         # exactly), and the loss is GRPOTrainer's with the generating weights as "old" policy.
-        weight_denominator = behavior_logps if args.prox_logp_method == "behavior" else sampling_logps
+        weight_denominator = behavior_logps if method.anchor == "behavior" else sampling_logps
 
         per_token_loss, stats = decoupled_ppo_loss(
             current_logps,
@@ -171,10 +234,16 @@ class DecoupledLossMixin:
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
 
         self._log_loss_metrics(mode, mask, staleness, entropies, stats, per_token_kl)
-        self._log_behavior_mismatch(mode, current_logps, behavior_logps, mask, staleness)
-        self._log_behavior_drift(mode, current_logps, behavior_logps, mask, staleness)
-        if args.prox_logp_method == "metrics":
-            self._log_approximation_error(mode, inputs, loglinear_logps, proximal_logps, sampling_logps, mask)
+        self._log(mode, behavior_mismatch_metrics(self.accelerator, current_logps, behavior_logps, mask, staleness))
+        self._log(mode, behavior_drift_metrics(self.accelerator, current_logps, behavior_logps, mask, staleness))
+        if method.anchor == "current" and method.interpolates:
+            compared = mask.bool()
+            if "recompute_version" in inputs:  # recomputed with the weights of the batch's first optimizer step only
+                compared = compared & (inputs["recompute_version"] == self.state.global_step).unsqueeze(1)
+            errors = approximation_error_metrics(
+                self.accelerator, loglinear_logps, proximal_logps, sampling_logps, compared
+            )
+            self._log(mode, errors)
         return loss
 
     def _add_entropy_bonus(self, loss, entropies, mask, entropy_mask, policy_loss, mode, accumulation):
@@ -218,52 +287,8 @@ class DecoupledLossMixin:
             loss_type=self.loss_type,
         )
         values["a3po/prox_time"], self._proximal_seconds = self._proximal_seconds, 0.0
+        self._log(mode, values)
+
+    def _log(self, mode: str, values: dict[str, float]) -> None:
         for name, value in values.items():
             self._metrics[mode][name].append(value)
-
-    def _log_behavior_mismatch(self, mode, current_logps, behavior_logps, mask, staleness):
-        """``|logp_behavior - logp_trainer|`` over the tokens generated by the weights being trained (staleness 0):
-        what the generator's numerics (vLLM's kernels, KV-cache decoding, another dtype) add to the importance ratio
-        beyond staleness. Logged as ``a3po/behavior_mismatch_mean|max`` on the micro-steps that have such tokens; it
-        costs no forward (both log-probs are at hand)."""
-        staleness = staleness if staleness.dim() == 2 else staleness.view(-1, 1)
-        current = mask.bool() & (staleness == 0) & torch.isfinite(behavior_logps)
-        difference = torch.where(current, (behavior_logps - current_logps.detach()).abs(), 0.0)
-        local = torch.stack([difference.sum(), current.sum().float()])
-        totals = self.accelerator.reduce(local, reduction="sum")
-        largest = self.accelerator.reduce(difference.max(), reduction="max")
-        if totals[1] > 0:
-            self._metrics[mode]["a3po/behavior_mismatch_mean"].append((totals[0] / totals[1]).item())
-            self._metrics[mode]["a3po/behavior_mismatch_max"].append(largest.item())
-
-    def _log_behavior_drift(self, mode, current_logps, behavior_logps, mask, staleness):
-        """How far the weights being trained have moved from the ones that generated the batch, on its tokens:
-        ``a3po/behavior_drift_mean`` is the mean ``|log pi_theta - log pi_behav|`` (nats) over the loss tokens, and
-        ``a3po/behavior_drift_per_version_mean`` the same divided by each token's staleness, over the stale tokens
-        (``d >= 1``, logged on the micro-steps that have some): how much one optimizer step moves the policy on the
-        sampled tokens (0.05 is about 5%). That movement, times the staleness, is what the proximal policy and the
-        behavior weight have to correct; with a small one every method trains alike. It costs no forward."""
-        staleness = (staleness if staleness.dim() == 2 else staleness.view(-1, 1)).expand_as(current_logps)
-        counted = mask.bool() & torch.isfinite(behavior_logps)
-        drift = torch.where(counted, (current_logps.detach() - behavior_logps).abs(), 0.0)
-        stale = counted & (staleness >= 1)
-        per_version = torch.where(stale, drift / staleness.clamp(min=1).to(drift.dtype), 0.0)
-        local = torch.stack([drift.sum(), counted.sum().float(), per_version.sum(), stale.sum().float()])
-        totals = self.accelerator.reduce(local, reduction="sum")
-        if totals[1] > 0:
-            self._metrics[mode]["a3po/behavior_drift_mean"].append((totals[0] / totals[1]).item())
-        if totals[3] > 0:
-            self._metrics[mode]["a3po/behavior_drift_per_version_mean"].append((totals[2] / totals[3]).item())
-
-    def _log_approximation_error(self, mode, inputs, loglinear_logps, recomputed_logps, behavior_logps, mask):
-        """Error of the log-linear estimate against the recomputed proximal log-probs, over the rows whose recompute
-        was done with the weights this micro-step trains (a batch trained over several optimizer steps is recomputed
-        once, with the weights of its first step)."""
-        same_version = inputs["recompute_version"] == self.state.global_step
-        compared = mask.bool() & same_version.unsqueeze(1)
-        errors = proximal_approximation_error(loglinear_logps.detach(), recomputed_logps, behavior_logps, compared)
-        count = (compared & torch.isfinite(behavior_logps)).sum().float()
-        totals = self.accelerator.reduce(torch.stack([*(v * count for v in errors.values()), count]), reduction="sum")
-        if totals[-1] > 0:
-            for name, value in zip(errors, (totals[:-1] / totals[-1]).tolist()):
-                self._metrics[mode][f"a3po/approx_{name}"].append(value)

@@ -1,24 +1,21 @@
-"""`AsyncA3POTrainer`: TRL's GRPOTrainer with a background generator and A-3PO's decoupled loss.
+"""`AsyncA3POTrainer`: TRL's GRPOTrainer with a background generator and A-3PO's decoupled loss; here, its lifecycle
+and TRL's hooks.
 
-What changes relative to `GRPOTrainer`, and where:
-
-- ``_prepare_inputs`` takes versioned batches from the :class:`~a3po_trl.generation.GenerationEngine` (generated and
-  scored in its thread, with the generator's own copy of the weights) instead of generating with the training module,
-  computes their advantages from every process's rewards as GRPOTrainer does, then buffers and splits them as TRL does.
-- ``compute_loss`` computes per-token staleness, the proximal log-probs (A-3PO interpolation, or a forward pass),
-  and the decoupled form of the configured loss (:mod:`a3po_trl.losses`).
+- ``train`` starts the batch producer (:mod:`a3po_trl.generation.producer`, assembled by :mod:`a3po_trl.builders`)
+  lazily and always stops and joins its thread; it raises the generation thread's error even when the thread failed
+  after the last batch the trainer took, and refuses to run while the thread of an earlier call is still alive (it
+  shares the generation backend).
+- ``_prepare_inputs`` takes the producer's scored batches, makes them training batches in the main thread
+  (:mod:`a3po_trl.training_batch`: advantages over every process, reference and proximal log-probs), then buffers and
+  splits them as TRL does; ``compute_loss`` is the decoupled loss (:mod:`a3po_trl.losses`).
 - A callback publishes the weights to the generator after every optimizer step.
-- ``train`` starts the engine lazily and always stops and joins its thread; it raises the generation thread's error
-  even when the thread failed after the last batch the trainer took, and refuses to run while the thread of an
-  earlier call is still alive (it shares the generation backend).
-- Both threads record their spans on a timeline (:mod:`a3po_trl.timeline`), written to
-  ``output_dir/timeline/trace-rank{k}.json`` (``-run{r}`` for a later run there) at every checkpoint and when
-  ``train`` ends, on a best-effort basis; ``save_timeline`` draws it.
-- Checkpoints are written into a staging folder and renamed when whole, and ``resume_from_checkpoint=True`` resumes
-  from the newest complete one (:mod:`a3po_trl.checkpoints`).
+- Both threads record their spans on a timeline (:mod:`a3po_trl.timeline`), written to ``output_dir/timeline/`` at
+  every checkpoint and when ``train`` ends, best effort; ``save_timeline`` draws it.
+- Checkpoints are written whole or not at all, and ``resume_from_checkpoint=True`` resumes from the newest complete
+  one (:mod:`a3po_trl.checkpoints`). Under FSDP2, ``save_model`` writes whole weights (or a PEFT adapter) gathered
+  from every process's shards.
 
-Evaluation is unchanged: it generates synchronously through GRPOTrainer's own path. Under FSDP2, ``save_model`` writes
-whole weights (or a PEFT adapter) gathered from every process's shards.
+Evaluation is unchanged: it generates synchronously through GRPOTrainer's own path.
 """
 
 from __future__ import annotations
@@ -27,40 +24,28 @@ import copy
 import logging
 import os
 import textwrap
-import time
 import weakref
 
 import torch
 from accelerate.utils import gather_object
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
-from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict, use_adapter
+from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
-from .builders import (
-    build_backend,
-    deferred_reward_columns,
-    effective_generation_config,
-    rollout_settings,
-    uses_fsdp2,
-    weight_gather,
-)
+from .builders import RunPlan, build_backend, build_batch_producer, plan_run, uses_fsdp2, weight_gather
 from .checkpoints import resolve_resume_checkpoint, save_checkpoint_atomically
 from .config import AsyncA3POConfig, trainer_config
 from .distributed import destroy_process_group_at_exit
-from .functional import group_advantages
-from .generation import GenerationBackend, GenerationEngine
-from .generation.schedule import TrainingLoopShape, oldest_allowed_version, plan_generation_batches, run_micro_steps
+from .generation import BatchProducer, GenerationBackend
+from .generation.weights.gather import whole_state_dict
 from .generation.weights.names import ACTIVATION_CHECKPOINT_PREFIX, strip_checkpoint_wrapper_from_files
-from .generation.weights.version_checkpoint import load_kept_versions, save_kept_versions
+from .generation.weights.version_checkpoint import save_kept_versions
 from .losses import DecoupledLossMixin
-from .metrics import batch_metrics, tool_metrics
 from .patches import align_position_ids_with_generation
-from .rollout import run_rollout
-from .rollout.custom import generate_completions
-from .rollout.prompt_batches import repeated_prompt_batches
-from .rollout.scoring import score_with_reward_model, warn_about_unscorable_rows
-from .timeline import TRAINING_LANE, TimelineRecorder, TrainingStepTimeline, new_trace_path
-from .validation import check_supported, check_train_dataset, check_trainer
+from .rollout.rollout_func import generate_completions
+from .timeline import TRAINING_LANE, TimelineRecorder, TraceWriter, TrainingStepTimeline
+from .training_batch import make_training_batch
+from .validation import check_supported, check_train_dataset, check_trainer, effective_generation_config
 
 logger = logging.getLogger(__name__)
 
@@ -144,27 +129,27 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         # The accelerator initialized the process group by now; end it before interpreter exit (see distributed.py).
         destroy_process_group_at_exit()
 
-        self._engine: GenerationEngine | None = None
-        self.last_generation_engine: GenerationEngine | None = None
-        """The engine of the latest `train()` call, kept after it stops for inspection (counters, queue, backend)."""
+        self._producer: BatchProducer | None = None
+        self.last_batch_producer: BatchProducer | None = None
+        """The batch producer of the latest `train()` call, kept after it stops for inspection (counters, queue,
+        backend)."""
         self._backend: GenerationBackend | None = None
         self._run_start_step = 0
         self._steps_in_epoch: int | None = None
-        self._micro_steps = []
+        self._plan: RunPlan | None = None
+        """The micro-steps and generation batches of the current run (see :func:`a3po_trl.builders.plan_run`)."""
         self._schedule_warned = False
         self._weight_sync_seconds = 0.0
         self._resume_checkpoint = None
         self._checkpoint_staging_dir: str | None = None
-        self._trace_file: tuple[str, str] | None = None
-        """(output_dir, the trace file this trainer writes in it)."""
-        self._trace_write_warnings: set[str] = set()
         self.timeline = TimelineRecorder(enabled=args.timeline)
         """The spans of both threads (see :mod:`a3po_trl.timeline`), kept across `train()` calls."""
+        self._trace_writer = TraceWriter(self.timeline)
         self._step_timeline = TrainingStepTimeline(self.timeline)
         self.add_callback(self._step_timeline)  # before the publication callback: a step's span ends before it
         self.add_callback(_PublishWeightsCallback(self))
 
-    # ---- generation engine -----------------------------------------------------------------------------------------
+    # ---- batch producer --------------------------------------------------------------------------------------------
     def _unwrapped_model(self):
         return self.accelerator.unwrap_model(self.model)
 
@@ -176,7 +161,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
     def generate_completions(prompt_ids: list[list[int]]) -> dict[str, list]:
         """For a ``rollout_func``: generate one completion per row of ``prompt_ids`` (token ids) with the weights of
         the batch being rolled out, returning ``{"completion_ids", "logprobs"}`` (the behavior log-probs its output
-        must carry). Callable only from inside a ``rollout_func`` (see :mod:`a3po_trl.rollout.custom`)."""
+        must carry). Callable only from inside a ``rollout_func`` (see :mod:`a3po_trl.rollout.rollout_func`)."""
         return generate_completions(prompt_ids)
 
     def set_initial_training_values(self, args, dataloader):
@@ -187,8 +172,8 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
 
     def _generation_thread_left_behind(self) -> bool:
         """Whether the generation thread of an earlier ``train()`` call outlived its stop and is still running."""
-        engine = self.last_generation_engine
-        return engine is not None and engine.thread is not None and engine.thread.is_alive()
+        producer = self.last_batch_producer
+        return producer is not None and producer.thread is not None and producer.thread.is_alive()
 
     def _refuse_a_second_generation_thread(self, alive_somewhere: bool) -> None:
         if alive_somewhere:
@@ -200,83 +185,29 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
                 "what blocks the thread (its stack: faulthandler.dump_traceback())."
             )
 
-    def _start_engine(self):
-        args = self.args
+    def _start_producer(self):
         self._refuse_a_second_generation_thread(self._generation_thread_left_behind())
         if self._backend is None:
             self._backend = self._build_backend()
             weakref.finalize(self, self._backend.close)  # an engine or a server's adapters outlive train() calls
-        start_version = self.state.global_step
         if self._steps_in_epoch is None:  # batches taken outside train(): the loop's shape from its dataloader
-            self.set_initial_training_values(args, self.get_train_dataloader())
-        shape = TrainingLoopShape(
-            steps_in_epoch=self._steps_in_epoch,
-            gradient_accumulation_steps=args.gradient_accumulation_steps,
-            max_steps=self.state.max_steps,
-            start_step=start_version,
-            skip_trained_data=not args.ignore_data_skip,
-        )
-        every = args.steps_per_generation * self.num_iterations
-        self._micro_steps = run_micro_steps(shape)
-        planned = plan_generation_batches(self._micro_steps, every)
-        batches_per_epoch = max(self._steps_in_epoch // every, 1)
+            self.set_initial_training_values(self.args, self.get_train_dataloader())
+        self._plan = plan_run(self)
+        self._producer, earlier = build_batch_producer(self, self._plan)
+        self.last_batch_producer = self._producer
+        model, version = self._unwrapped_model(), self.state.global_step
+        self._producer.start(model, version, self._state_snapshot(), earlier_versions=earlier)
 
-        def batch_number(index: int) -> int:
-            return planned[index].epoch * batches_per_epoch + planned[index].index_in_epoch
-
-        prompt_batches = repeated_prompt_batches(
-            self.train_dataset,
-            num_generations=self.num_generations,
-            local_batch_size=args.per_device_train_batch_size * args.steps_per_generation,
-            process_index=self.accelerator.process_index,
-            num_processes=self.accelerator.num_processes,
-            shuffle=self.shuffle_dataset,
-            seed=args.seed,
-            skip_batches=batch_number(0) if planned else 0,
-        )
-        settings = rollout_settings(self, batch_number)
-        # A resumed reproducible run regenerates its next batches with the versions the checkpoint kept for them.
-        earlier = load_kept_versions(self._resume_checkpoint) if args.reproducible_generation else {}
-        first_version = min([*earlier, start_version])
-        self._engine = GenerationEngine(
-            backend=self._backend,
-            prompt_batches=prompt_batches,
-            rollout=lambda *args: run_rollout(settings, *args),
-            min_version=lambda index: oldest_allowed_version(planned[index], args.max_staleness, first_version),
-            num_batches=len(planned),
-            queue_size=args.max_staleness + 1,
-            asynchronous=args.async_generation,
-            num_threads=args.generation_num_threads,
-            poll_interval=args.generation_poll_interval,
-            exact_versions=args.reproducible_generation,
-            timeline=self.timeline,
-        )
-        self.last_generation_engine = self._engine
-        self._engine.start(self._unwrapped_model(), start_version, self._state_snapshot(), earlier_versions=earlier)
-
-    def _stop_engine(self) -> BaseException | None:
+    def _stop_producer(self) -> BaseException | None:
         """Stop and join the generation thread. Returns the thread's exception that no batch request re-raised (it
         failed after the last batch the trainer took), if any."""
-        if self._engine is None:
+        if self._producer is None:
             return None
-        engine, self._engine = self._engine, None
-        if not engine.stop(timeout=self.args.generation_stop_timeout):
-            logger.warning(
-                "The a3po generation thread did not stop within %s s (stuck in a reward function or generate?); "
-                "it is a daemon thread and is left behind, and this trainer refuses to train again while it runs.",
-                self.args.generation_stop_timeout,
-            )
-        unreported = engine.unreported_error()
-        if unreported is None:
-            return None
-        error, after_stop = unreported
-        if after_stop:  # raised while it was being stopped: most likely the stop itself
-            logger.warning("The a3po generation thread raised while it was being stopped: %r", error)
-            return None
-        return error
+        producer, self._producer = self._producer, None
+        return producer.shut_down(timeout=self.args.generation_stop_timeout)
 
     def _get_output_dir(self, trial):
-        # While a checkpoint is written, transformers' save writes into its staging folder (see checkpoints.py).
+        # While a checkpoint is written, transformers' save writes into its staging folder (see checkpoints/saves.py).
         return self._checkpoint_staging_dir or super()._get_output_dir(trial)
 
     def _save_checkpoint(self, model, trial):
@@ -301,10 +232,8 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         model = self._unwrapped_model()
         if hasattr(model, "peft_config"):
             adapters = set(model.peft_config)
-            wanted = [
-                (name, p) for name, p in model.named_parameters() if p.requires_grad or adapters & set(name.split("."))
-            ]
-            state_dict = {name: t.to("cpu", copy=True) for name, t in weight_gather(self).full_tensors(wanted)}
+            wanted = [(n, p) for n, p in model.named_parameters() if p.requires_grad or adapters & set(n.split("."))]
+            state_dict = whole_state_dict(weight_gather(self), wanted)
         else:
             state_dict = self.accelerator.get_state_dict(self.model)  # full, on the main process, in CPU memory
         self._save(output_dir, state_dict=state_dict)
@@ -316,37 +245,14 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _write_trace(self) -> str | None:
-        """Write this process's timeline (when ``timeline`` is on) to its trace file: the first of
-        ``output_dir/timeline/trace-rank{k}.json``, ``trace-rank{k}-run2.json``, ... that did not exist when this
-        trainer first wrote, so a resumed run keeps the earlier run's trace. Best effort: a failure (a full disk, no
-        permission) is a warning, never an error; the run and its checkpoints matter more than its trace."""
-        if not self.timeline.enabled:
-            return None
-        output_dir, index = self.args.output_dir, self.accelerator.process_index
-        path = None
-        try:
-            if self._trace_file is None or self._trace_file[0] != output_dir:
-                self._trace_file = (output_dir, new_trace_path(output_dir, index))
-            path = self._trace_file[1]
-            return self.timeline.write_chrome_trace(path, index)
-        except Exception as error:  # noqa: BLE001 - best effort, reported
-            message = f"{type(error).__name__}: {error}"
-            if message not in self._trace_write_warnings:  # once per distinct failure, not at every checkpoint
-                self._trace_write_warnings.add(message)
-                logger.warning(
-                    "Could not write the timeline trace %s (%s); training goes on without it. Make "
-                    "output_dir/timeline writable, or set timeline=False.",
-                    path or os.path.join(output_dir, "timeline"),
-                    message,
-                )
-            return None
+        return self._trace_writer.write(self.args.output_dir, self.accelerator.process_index)
 
     def save_timeline(self, path: str | None = None, last_steps: int = 20) -> str:
         """Draw the last ``last_steps`` optimizer steps of the timeline as a PNG (needs matplotlib: the ``plots``
         extra): one lane per thread, generation batches and the steps that train on them coloured by the version
         that generated them, waits hatched, and the end time a perfectly pipelined run would have reached. Returns
         the path, ``output_dir/timeline.png`` by default."""
-        from .timeline_plot import draw_timeline
+        from .timeline.plot import draw_timeline
 
         if not self.timeline.enabled:
             raise ValueError("The timeline is off (timeline=False): set timeline=True in the config to record it.")
@@ -361,10 +267,10 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         return snapshot
 
     def _publish_weights(self):
-        if self._engine is not None:
+        if self._producer is not None:
             model = self._unwrapped_model()
             with self.timeline.span(TRAINING_LANE, "publish weights", version=self.state.global_step):
-                seconds = self._engine.publish(model, self.state.global_step, self._state_snapshot())
+                seconds = self._producer.publish(model, self.state.global_step, self._state_snapshot())
             self._weight_sync_seconds += seconds
 
     def train(self, *args, **kwargs):
@@ -409,7 +315,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         """What ends every ``train()``: stop the generation thread (returning its unreported error), restore the
         thread count, write the trace. Raises nothing of its own."""
         try:
-            return self._stop_engine()
+            return self._stop_producer()
         finally:
             torch.set_num_threads(previous_threads)
             self._write_trace()
@@ -418,149 +324,34 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
     def _prepare_inputs(self, generation_batch):
         if not self.model.training:
             return super()._prepare_inputs(generation_batch)
-        if self._engine is None:
-            self._start_engine()
+        if self._producer is None:
+            self._start_producer()
         run_step = self._step - self._run_start_step
-        if run_step >= len(self._micro_steps):
+        micro_steps = self._plan.micro_steps
+        if run_step >= len(micro_steps):
             raise RuntimeError(
                 f"The training loop ran more micro-steps ({run_step + 1}) than its shape predicts "
-                f"({len(self._micro_steps)}); the generation batches of this run are used up."
+                f"({len(micro_steps)}); the generation batches of this run are used up."
             )
-        planned = self._micro_steps[run_step]
-        if planned.version != self.state.global_step and not self._schedule_warned:
+        micro_step = micro_steps[run_step]
+        if micro_step.version != self.state.global_step and not self._schedule_warned:
             self._schedule_warned = True
             logger.warning(
                 "The training loop is at optimizer step %d where its shape predicts %d; the staleness bound may not "
                 "hold for this run (the generator never waits for weights the trainer cannot publish).",
                 self.state.global_step,
-                planned.version,
+                micro_step.version,
             )
-        position = planned.position % (self.args.steps_per_generation * self.num_iterations)
+        position = micro_step.position % self._plan.micro_steps_per_batch
         if position == 0 or self._buffered_inputs is None:
             with self.timeline.span(TRAINING_LANE, "take batch") as span_args:
-                batch = shuffle_sequence_dict(self._take_scored_batch())
+                scored, waited = self._producer.get()
+                self._step_timeline.batch_taken(scored.index, scored.version)
+                planned = self._plan.batches[scored.index]
+                batch = make_training_batch(self, scored, waited, planned, self._weight_sync_seconds)
+                self._weight_sync_seconds = 0.0
+                batch = shuffle_sequence_dict(batch)
                 span_args.update(self._step_timeline.batch)
             self._buffered_inputs = split_tensor_dict(batch, self.args.steps_per_generation)
         self._step_timeline.inputs_ready()
         return self._buffered_inputs[position % self.args.steps_per_generation]
-
-    def _take_scored_batch(self) -> dict:
-        """Main thread: the next scored batch, with everything that needs every process (advantages, the token
-        count, reward models partitioned by ZeRO-3) or the training weights (recomputed and reference log-probs)."""
-        device = self.accelerator.device
-        scored, waited = self._engine.get()
-        self._step_timeline.batch_taken(scored.index, scored.version)
-        data = {k: v.to(device) for k, v in scored.tensors.items()}
-        is_truncated, completion_lengths = scored.is_truncated.to(device), scored.completion_lengths.to(device)
-        batch_size = data["completion_ids"].size(0)
-        prompts, completions = scored.texts["prompt"], scored.texts["completion"]
-
-        local_rewards = scored.rewards_per_func.to(device)
-        for i in deferred_reward_columns(self):
-            values = score_with_reward_model(
-                self.reward_funcs[i],
-                self.reward_processing_classes[i],
-                prompts,
-                completions,
-                self.chat_template_kwargs,
-            )
-            local_rewards[:, i] = torch.tensor(values, dtype=torch.float32, device=device)
-        warn_about_unscorable_rows(local_rewards, scored.rows, prompts, completions)
-        rewards_per_func = self.accelerator.gather(local_rewards)
-        advantages, _, is_std_zero = group_advantages(
-            rewards_per_func,
-            self.reward_weights,
-            self.num_generations,
-            self.scale_rewards,
-            self.multi_objective_aggregation,
-        )
-        process_slice = slice(
-            self.accelerator.process_index * batch_size, (self.accelerator.process_index + 1) * batch_size
-        )
-        data["advantages"] = advantages[process_slice]
-        data["policy_version"] = data.pop("token_versions")  # (B, T): the version that generated each token
-        loss_mask = data["completion_mask"] * data["tool_mask"] if "tool_mask" in data else data["completion_mask"]
-        data["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
-        agent_values = tool_metrics(
-            self.accelerator, scored.tool_stats, data["policy_version"], loss_mask, completion_lengths
-        )
-        if scored.environments is not None:
-            self.environments = scored.environments  # GRPOTrainer's attribute: the latest batch's environments
-
-        prompt_completion_ids = torch.cat([data["prompt_ids"], data["completion_ids"]], dim=1)
-        attention_mask = torch.cat([data["prompt_mask"], data["completion_mask"]], dim=1)
-        logits_to_keep = data["completion_ids"].size(1)
-        if self.args.prox_logp_method in ("recompute", "metrics"):
-            start = time.perf_counter()
-            with torch.no_grad():
-                data["recomputed_proximal_logps"] = self._get_per_token_logps_and_entropies(
-                    self.model,
-                    prompt_completion_ids,
-                    attention_mask,
-                    logits_to_keep,
-                    batch_size=self.args.per_device_train_batch_size,
-                )[0]
-            data["recompute_version"] = torch.full((batch_size,), self.state.global_step, device=device)
-            self._sync_if_cuda()
-            end = time.perf_counter()
-            self.add_proximal_seconds(end - start)
-            self.timeline.record(TRAINING_LANE, "recompute forward", start, end, {"batch": scored.index})
-        if self.beta != 0.0:
-            with self.timeline.span(TRAINING_LANE, "reference forward", batch=scored.index):
-                data["ref_per_token_logps"] = self._reference_logps(
-                    prompt_completion_ids, attention_mask, logits_to_keep
-                )
-
-        values, tokens_seen = batch_metrics(
-            self.accelerator,
-            scored,
-            completion_lengths=completion_lengths,
-            prompt_lengths=data["prompt_mask"].sum(1),
-            is_truncated=is_truncated,
-            rewards_per_func=rewards_per_func,
-            is_std_zero=is_std_zero,
-            waited=waited,
-            queue_depth=len(self._engine.queue),
-            reward_weights=self.reward_weights,
-            reward_func_names=self.reward_func_names,
-        )
-        self.state.num_input_tokens_seen += tokens_seen
-        metrics = self._metrics["train"]
-        metrics["num_tokens"] = [self.state.num_input_tokens_seen]
-        values.update(agent_values)
-        values["async/weight_sync_time"] = self._weight_sync_seconds
-        self._weight_sync_seconds = 0.0
-        for name, value in values.items():
-            metrics[name].append(value)
-        self._log_reward_function_outputs(scored, prompts, completions, rewards_per_func, advantages)
-        return data
-
-    def _log_reward_function_outputs(self, scored, prompts, completions, rewards_per_func, advantages):
-        """GRPOTrainer's completion table and what reward functions logged, gathered over processes in the same
-        (sorted) order on every process."""
-        self._logs["prompt"].extend(gather_object(prompts))
-        self._logs["completion"].extend(gather_object(completions))
-        for i, name in enumerate(self.reward_func_names):
-            self._logs["rewards"][name].extend(rewards_per_func[:, i].tolist())
-        self._logs["advantages"].extend(advantages.tolist())
-        for column in sorted(set(gather_object(list(scored.extra_logs)))):
-            values = scored.extra_logs.get(column, [None] * len(prompts))
-            self._logs["extra"][column].extend(gather_object(values))
-        for name in sorted(set(gather_object(list(scored.logged_metrics)))):
-            values = scored.logged_metrics.get(name, [])
-            local = torch.tensor([sum(values), len(values)], dtype=torch.float32, device=self.accelerator.device)
-            total, count = self.accelerator.gather(local).view(-1, 2).sum(dim=0).tolist()
-            self._metrics["train"][name].append(total / count)
-
-    @torch.no_grad()
-    def _reference_logps(self, input_ids, attention_mask, logits_to_keep):
-        batch_size = self.args.per_device_train_batch_size
-        if self.ref_model is not None:
-            return self._get_per_token_logps_and_entropies(
-                self.ref_model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size
-            )[0]
-        model = self._unwrapped_model()
-        with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
-            return self._get_per_token_logps_and_entropies(
-                self.model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size
-            )[0]

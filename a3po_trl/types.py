@@ -1,5 +1,5 @@
 """The data that crosses module boundaries: what a backend generates, and the scored batch the generator hands the
-trainer. Nothing here computes; every stage (backends, rollouts, the engine, the trainer) shares these."""
+trainer. Nothing here computes; every stage (backends, rollouts, the batch producer, the trainer) shares these."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 
 class GenerationStopped(Exception):
-    """Raised inside the generation thread when the engine is asked to stop; never escapes the engine."""
+    """Raised inside the generation thread when the batch producer is asked to stop; never escapes the producer."""
 
 
 @dataclass

@@ -1,12 +1,18 @@
-"""Checks that run before any model is loaded: settings and datasets the trainer cannot honour fail with the fix."""
+"""What the trainer cannot honour, refused with the fix before training starts: settings and datasets before any model
+loads, then what the loaded model and its generation config show (dropout, the sampling distribution's temperature).
+"""
 
 from __future__ import annotations
 
+import copy
 import logging
 
 from datasets import IterableDataset
 from torch import nn
 from trl import GRPOConfig
+
+from .generation.hf.sampling import processed_sampling, samples_with_own_stream, sampling_deviations
+from .patches import peft_base_model
 
 logger = logging.getLogger(__name__)
 
@@ -192,3 +198,46 @@ def _warn_about_dropout(trainer) -> None:
             "noise. Set disable_dropout=True (AsyncA3POConfig's default; GRPOConfig's is False) for unbiased "
             "A-3PO updates."
         )
+
+
+def effective_generation_config(trainer):
+    """The generation config ``generate`` will really use (TRL's, completed from the model's own), checked: its
+    temperature must be the one the training log-probs are scaled by; what makes it sample from another distribution
+    than ``softmax(logits / temperature)`` is reported (processed distributions the generator records are said once,
+    the rest is a warning)."""
+    target = peft_base_model(trainer._unwrapped_model())
+    config = copy.deepcopy(trainer.generation_config)
+    try:
+        if not trainer._use_vllm_backend:  # vLLM samples with TRL's settings only, not the model's generation_config
+            config, _ = target._prepare_generation_config(config)
+    except (AttributeError, TypeError):  # a transformers without the merge helper: use TRL's config as it is
+        pass
+    if config.temperature is not None and abs(config.temperature - trainer.temperature) > 1e-12:
+        # A conflicting temperature in generation_kwargs is refused by the config already (before loading).
+        in_kwargs = (trainer.args.generation_kwargs or {}).get("temperature")
+        source = "generation_kwargs" if in_kwargs == config.temperature else "the model's generation_config"
+        raise ValueError(
+            f"{source} sets temperature={config.temperature}, but the training log-probs are scaled by "
+            f"temperature={trainer.temperature}: behavior and training log-probs would score different "
+            f"distributions. Set temperature={config.temperature} in the config instead of in {source}."
+        )
+    # The generate backend records the log-probs of a processed sampling distribution (top-k/p, penalties, ...)
+    # under plain sampling; vLLM refuses such settings before any model loads (validation.check_vllm_sampling).
+    recorded = [] if trainer._use_vllm_backend or not samples_with_own_stream(config) else processed_sampling(config)
+    unrecorded = [d for d in sampling_deviations(config) if d not in recorded]
+    if unrecorded:
+        logger.warning(
+            "Sampling with %s draws tokens from a different distribution than the temperature-scaled one the "
+            "behavior and training log-probs are computed from, which biases the importance ratios (set in the "
+            "config, generation_kwargs, or the model's generation_config). Use plain sampling (do_sample=True, "
+            "num_beams=1) for unbiased A-3PO updates.",
+            ", ".join(unrecorded),
+        )
+    if recorded:
+        logger.info(
+            "Sampling with %s: the generator records the log-probs of the processed distribution it draws each "
+            "token from, which enter the behavior weight pi_prox / pi_sampling; the trust region stays anchored "
+            "at the untruncated policy (an on-policy token has ratio 1, as in GRPOTrainer).",
+            ", ".join(recorded),
+        )
+    return config

@@ -49,13 +49,13 @@ class _Probe(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step % self.every:
             return
-        engine = internals.generation_engine(self.trainer)
+        producer = internals.batch_producer(self.trainer)
         sample = {
             "step": state.global_step,
             "rss_mb": round(resident_memory_mb(), 1),
             "threads": threading.active_count(),
             "open_files": open_file_count(),
-            "queue_depth": internals.queue_depth(engine) if engine else 0,
+            "queue_depth": internals.queue_depth(producer) if producer else 0,
             "time": round(time.perf_counter(), 2),
         }
         self.samples.append(sample)
@@ -74,7 +74,7 @@ def run_soak(steps: int = 400, max_staleness: int = 4, every: int = 10, warmup_f
         start = time.perf_counter()
         trainer.train()
         seconds = time.perf_counter() - start
-        counts = internals.engine_counts(internals.generation_engine(trainer))
+        counts = internals.producer_counts(internals.batch_producer(trainer))
     samples = probe.samples
     warm = samples[max(1, int(len(samples) * warmup_fraction)) - 1]
     second_half = samples[len(samples) // 2 :]

@@ -283,9 +283,9 @@ def dtype_summary(tensors) -> str:
 
 def generator_dtypes(trainer) -> dict[str, str]:
     """Dtypes of the training weights, the generator's copy and the staging buffers of an AsyncA3POTrainer's
-    ``generate`` backend (``trainer.last_generation_engine.backend``: its ``module`` is the generator's copy, its
+    ``generate`` backend (``trainer.last_batch_producer.backend``: its ``module`` is the generator's copy, its
     ``weights.layout`` the staging buffers' shapes and dtypes); "not found" where a run has none."""
-    backend = getattr(getattr(trainer, "last_generation_engine", None), "backend", None)
+    backend = getattr(getattr(trainer, "last_batch_producer", None), "backend", None)
     module = getattr(backend, "module", None)
     layout = getattr(getattr(backend, "weights", None), "layout", None)
     staging = Counter()
@@ -361,7 +361,7 @@ def run_one(kind: str, pair: str, tokenizer, config, dataset, cpu: bool, steps: 
                 run["dtypes"] = generator_dtypes(trainer)
                 for part, summary in run["dtypes"].items():
                     print(f"  [{name}] {part}: {summary}", flush=True)
-                plan = getattr(trainer.last_generation_engine.backend, "memory_plan", None)
+                plan = getattr(trainer.last_batch_producer.backend, "memory_plan", None)
                 if plan is not None:  # what the trainer estimated before building the generator
                     run["memory_plan"] = plan.describe()
                     print(textwrap.indent(run["memory_plan"], f"  [{name}] "), flush=True)

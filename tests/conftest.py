@@ -1,8 +1,8 @@
 """The test suite, laid out like the package's layers:
 
-- ``unit/``: one module at a time, and no trainer is built (functional, engine, config, rewards, tasks, layout, ...);
+- ``unit/``: one module at a time, and no trainer is built (functional, producer, config, rewards, tasks, layout, ...);
 - ``integration/``: files with tests that build or train an ``AsyncA3POTrainer``, on the tiny model (``test_schedule``,
-  ``test_prompts`` and ``test_plotting`` too, for their tests through the trainer; ``test_distributed`` and
+  ``test_prompt_batches`` and ``test_plotting`` too, for their tests through the trainer; ``test_distributed`` and
   ``test_vllm`` under ``accelerate launch`` or vLLM);
 - ``end_to_end/``: the README, notebooks, examples, the SmolLM2 pipeline, the benchmarks and the soak, as a user runs
   them.

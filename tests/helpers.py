@@ -75,7 +75,7 @@ def first_batch_with_logps(trainer):
     try:
         inputs = trainer._prepare_inputs(None)
     finally:
-        trainer._stop_engine()
+        trainer._stop_producer()
     input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
     with torch.no_grad():
@@ -164,8 +164,8 @@ class _State(SimpleNamespace):
 
 
 class StandInTrainer:
-    """What the checkpoint code (a3po_trl/checkpoints.py) reads of a trainer, without a model: ``save`` writes a small
-    checkpoint (an optimizer state holding ``payload``, the trainer state). One process, or ``accelerator``'s."""
+    """What the checkpoint code (a3po_trl/checkpoints/saves.py) reads of a trainer, without a model: ``save`` writes a
+    small checkpoint (an optimizer state holding ``payload``, the trainer state). One process, or ``accelerator``'s."""
 
     def __init__(self, output_dir, save_total_limit=None, accelerator=None):
         self.accelerator = accelerator or SimpleNamespace(

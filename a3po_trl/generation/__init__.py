@@ -1,6 +1,6 @@
-"""Generation: the versioned engine (thread, queue, admission control, schedule) and the backends it drives.
+"""Generation: the batch producer (thread, queue, admission control, schedule) and the backends it drives.
 
-- :mod:`.engine`: :class:`GenerationEngine`, the admission-controlled producer thread; :mod:`.queue`:
+- :mod:`.producer`: :class:`BatchProducer`, the admission-controlled producer thread; :mod:`.queue`:
   :class:`VersionedSampleQueue`; both backend-agnostic.
 - :mod:`.schedule`: which weight version trains on each micro-step, and so which versions may generate each batch.
 - :mod:`.backend`: :class:`GenerationBackend`, the one interface a backend implements;
@@ -13,14 +13,14 @@
 
 from ..types import GeneratedCompletions, GenerationStopped, ScoredBatch
 from .backend import GenerationBackend
-from .engine import GenerationEngine
 from .hf import HFGenerateBackend, HFGenerationSettings
+from .producer import BatchProducer
 from .queue import VersionedSampleQueue
 
 __all__ = [
     "GeneratedCompletions",
     "GenerationBackend",
-    "GenerationEngine",
+    "BatchProducer",
     "GenerationStopped",
     "HFGenerateBackend",
     "HFGenerationSettings",

@@ -1,7 +1,8 @@
 """Rollouts, run in the generation thread with whatever backend generates: the prompt batches each process draws
-(:mod:`.prompt_batches`), one rollout of a local batch (:mod:`.run`: single-turn, or :mod:`.multi_turn` with tools
-and environments, or a user's ``rollout_func`` in :mod:`.custom`) and its rewards (:mod:`.scoring`). Nothing here
-runs a collective or reads the trainer."""
+(:mod:`.prompt_batches`), one rollout of a local batch (:mod:`.run`: single-turn, or :mod:`.multi_turn` with
+environments and the tool calls of :mod:`.tools`, or a user's ``rollout_func`` in :mod:`.rollout_func`), what it
+produces token by token (:mod:`.trajectories`), the seeds of its random streams (:mod:`.seeds`) and its rewards
+(:mod:`.scoring`). Nothing here runs a collective or reads the trainer."""
 
 from .run import RolloutSettings, decode_completions, run_rollout
 

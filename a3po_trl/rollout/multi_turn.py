@@ -1,4 +1,4 @@
-"""Multi-turn rollouts in the generation thread: tool calls and environments, with GRPOTrainer's semantics.
+"""Multi-turn rollouts in the generation thread: the tool-call loop and environments, with GRPOTrainer's semantics.
 
 What GRPOTrainer does in its main thread for ``tools=[...]`` and ``environment_factory`` (``_generate_and_score_
 completions``, ``_generate`` and ``_tool_call_loop`` in TRL 1.16), done here for one local batch with a
@@ -8,9 +8,10 @@ completions``, ``_generate`` and ``_tool_call_loop`` in TRL 1.16), done here for
    reset for every rollout), ``reset(**row)`` runs and its observation is appended to the last user message;
 2. the prompts are rendered with the tools of their environment (plus the standalone tools);
 3. the model generates; completions are parsed with the tokenizer's response schema; every tool call is executed
-   (``async def`` tools on TRL's event loop), its result rendered with the chat template's tool-message suffix and
-   appended, and the rows that called tools continue, until no row calls a tool, ``max_tool_calling_iterations``
-   turns, or the completion budget is spent (a tool result that would overflow it is dropped and the row ends).
+   (:mod:`a3po_trl.rollout.tools`; ``async def`` tools on TRL's event loop), its result rendered with the chat
+   template's tool-message suffix and appended, and the rows that called tools continue, until no row calls a tool,
+   ``max_tool_calling_iterations`` turns, or the completion budget is spent (a tool result that would overflow it is
+   dropped and the row ends).
 
 What is A-3PO's own: every generated token records the weight version that generated it, and the generator may load
 newer weights between turns (``refresh_weights_between_turns``), so a trajectory whose turns span an update is staled
@@ -20,10 +21,6 @@ attended to but never enter the loss.
 
 from __future__ import annotations
 
-import asyncio
-import inspect
-import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,12 +31,9 @@ from trl import GRPOTrainer
 
 from ..generation.backend import GenerationBackend
 from ..timeline import record_in_batch_span
-from ..types import GenerationStopped
-
-logger = logging.getLogger(__name__)
-
-NO_VERSION = -1
-"""Version recorded for tokens no model generated (tool results)."""
+from .seeds import turn_seed
+from .tools import ToolCaller, tool_functions
+from .trajectories import NO_VERSION, Trajectories
 
 
 @dataclass
@@ -96,31 +90,6 @@ class AgentSettings:
         return environments, names
 
 
-@dataclass
-class Trajectories:
-    """The completions of one local batch, token by token, as the trainer needs them."""
-
-    completion_ids: list[list[int]]
-    logps: list[list[float]]
-    """Behavior log-probs per completion token (of the policy's temperature-scaled distribution); 0 for tool-result
-    tokens."""
-    versions: list[list[int]]
-    """Weight version that generated each completion token; :data:`NO_VERSION` for tool-result tokens."""
-    completions: list
-    """As reward functions receive them: a list of messages per row (assistant, tool, assistant, ...)."""
-    tool_mask: list[list[int]] | None = None
-    """1 for generated tokens, 0 for tool-result tokens (None: no tools)."""
-    turns: list[int] = field(default_factory=list)
-    tool_calls: int = 0
-    tool_failures: int = 0
-    tool_timeouts: int = 0
-    timings: dict[str, float] = field(default_factory=dict)
-    sampling_logps: list[list[float]] | None = None
-    """Log-probs under the processed distribution each token was drawn from (see
-    :attr:`~a3po_trl.generation.backend.GeneratedCompletions.sampling_logps`), 0 for tool-result tokens; None when
-    the sampler drew from the policy's distribution itself."""
-
-
 def prepare_agent_prompts(agent: AgentSettings, rows: list[dict]) -> tuple[list, list | None, list | None]:
     """``(prompts, environments, names)``: with environments, one drawn and reset per row, its observation appended
     to the prompt's last message (GRPOTrainer's semantics; a row without ``prompt`` gets an empty user message)."""
@@ -147,158 +116,6 @@ def prompt_tools(agent: AgentSettings, names: list | None, count: int) -> list[l
     if names is None:
         return [list(agent.standalone_tools)] * count
     return [agent.environment_tools[name] for name in names]
-
-
-def tool_functions(standalone_tools: list, environment: Any) -> tuple[dict, dict]:
-    """``(sync, async)`` name -> callable for one rollout: the standalone tools and its environment's public methods
-    (``reset`` and ``get_reward`` excluded), as GRPOTrainer builds them."""
-    methods = []
-    if environment is not None:
-        methods = [
-            getattr(environment, name)
-            for name, _ in inspect.getmembers(type(environment), predicate=inspect.isfunction)
-            if name not in ("reset", "get_reward") and not name.startswith("_")
-        ]
-    sync, asynchronous = {}, {}
-    for tool in list(standalone_tools) + methods:
-        (asynchronous if inspect.iscoroutinefunction(tool) else sync)[tool.__name__] = tool
-    return sync, asynchronous
-
-
-def turn_seed(seed: int | None, turn: int) -> int | None:
-    """Seed of a batch's ``turn``-th generate call (turn 0 uses the batch seed itself)."""
-    if seed is None or turn == 0:
-        return seed
-    return (seed * 6364136223846793005 + 1442695040888963407 * turn) % (1 << 63)
-
-
-class ToolCaller:
-    """Executes one rollout's tool calls with GRPOTrainer's semantics: a tool that raises, an unknown tool or an
-    unsupported call type gives the model ``{"error": ...}`` and counts as a failure. With ``timeout``, a call still
-    running after it gives a timeout error (synchronous tools then run in a daemon worker thread). A stop request
-    (``should_stop``) ends the wait."""
-
-    def __init__(
-        self,
-        timeout: float | None,
-        async_loop,
-        should_stop: Callable[[], bool] | None,
-        poll: float = 0.05,
-        warned: set[str] | None = None,
-    ):
-        self.timeout = timeout
-        self.async_loop = async_loop
-        self.should_stop = should_stop or (lambda: False)
-        self.poll = poll
-        self.calls = 0
-        self.failures = 0
-        self.timeouts = 0
-        self.seconds = 0.0
-        self._warned = warned if warned is not None else set()
-        """Tools whose failure was already logged (shared by the callers of one run: one warning per tool)."""
-
-    def run(self, tool_calls: list[dict], sync_tools: dict, async_tools: dict) -> list[tuple[str, Any]]:
-        """``(name, result)`` for every call, the synchronous ones first, then the ``async def`` ones (TRL's order)."""
-        start = time.perf_counter()
-        results, pending = [], []
-        for tool_call in tool_calls:
-            self.calls += 1
-            if self.should_stop():
-                raise GenerationStopped
-            if tool_call.get("type", "function") != "function":
-                self.failures += 1
-                name = tool_call.get("name", "unknown")
-                results.append((name, {"error": f"Unsupported tool call type: {tool_call['type']}"}))
-                continue
-            function = tool_call["function"]
-            name, arguments = function["name"], function.get("arguments") or {}
-            if name in async_tools:
-                try:  # calling with wrong arguments fails here, before any await (as in GRPOTrainer)
-                    pending.append((name, async_tools[name](**arguments)))
-                except Exception as error:  # noqa: BLE001 - the model sees the error
-                    results.append((name, self._failed(name, error)))
-            elif name in sync_tools:
-                results.append((name, self._call_sync(name, sync_tools[name], arguments)))
-            else:
-                self.failures += 1
-                results.append((name, {"error": f"Tool {name} not found."}))
-        if pending:
-            results.extend(self._call_async(pending))
-        self.seconds += time.perf_counter() - start
-        return results
-
-    def _failed(self, name: str, error: BaseException) -> dict:
-        self.failures += 1
-        if name not in self._warned:
-            self._warned.add(name)
-            logger.warning("Tool %r failed (the model sees the error message): %r", name, error)
-        return {"error": str(error)}
-
-    def _timed_out(self, name: str) -> dict:
-        self.failures += 1
-        self.timeouts += 1
-        message = f"Tool {name!r} did not return within {self.timeout} s (tool_call_timeout)."
-        if name not in self._warned:
-            self._warned.add(name)
-            logger.warning("%s The model sees this as the tool's error message; the call is left running.", message)
-        return {"error": message}
-
-    def _call_sync(self, name: str, function: Callable, arguments: dict) -> Any:
-        if self.timeout is None:
-            try:
-                return function(**arguments)
-            except Exception as error:  # noqa: BLE001 - the model sees the error, as in GRPOTrainer
-                return self._failed(name, error)
-        box: dict[str, Any] = {}
-        done = threading.Event()
-
-        def target():
-            try:
-                box["result"] = function(**arguments)
-            except BaseException as error:  # noqa: BLE001 - handed to the generation thread
-                box["error"] = error
-            finally:
-                done.set()
-
-        threading.Thread(target=target, name=f"a3po-tool-{name}", daemon=True).start()
-        deadline = time.monotonic() + self.timeout
-        while not done.wait(min(self.poll, max(deadline - time.monotonic(), 0.0))):
-            if self.should_stop():
-                raise GenerationStopped
-            if time.monotonic() >= deadline:
-                return self._timed_out(name)
-        if "error" in box:
-            if not isinstance(box["error"], Exception):
-                raise box["error"]
-            return self._failed(name, box["error"])
-        return box["result"]
-
-    def _call_async(self, pending: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-        """Await ``(name, coroutine)`` pairs together on TRL's event loop, each within the timeout."""
-        timeout = self.timeout
-
-        async def gather():
-            awaited = [c if timeout is None else asyncio.wait_for(c, timeout) for _, c in pending]
-            return await asyncio.gather(*awaited, return_exceptions=True)
-
-        future = asyncio.run_coroutine_threadsafe(gather(), self.async_loop)
-        while True:
-            try:
-                outcomes = future.result(timeout=self.poll)
-                break
-            except TimeoutError:
-                if self.should_stop():
-                    future.cancel()
-                    raise GenerationStopped from None
-        results = []
-        for (name, _), outcome in zip(pending, outcomes, strict=True):
-            if isinstance(outcome, TimeoutError):
-                results.append((name, self._timed_out(name)))
-            elif isinstance(outcome, Exception):
-                results.append((name, self._failed(name, outcome)))
-            else:
-                results.append((name, outcome))
-        return results
 
 
 def tool_suffix_ids(agent: AgentSettings) -> Callable[[list[dict]], list[int]]:
@@ -361,7 +178,7 @@ def generate_with_tools(
 
     sampled = [False]  # whether any turn's sampler drew from a processed distribution
     completion_ids, logps, sampling_logps, version = generate(prompt_ids, 0)
-    versions = [[version] * len(ids) for ids in completion_ids]
+    token_versions = [[version] * len(ids) for ids in completion_ids]
     tool_mask = [[1] * len(ids) for ids in completion_ids]
     turns = [1] * batch
     completions = [
@@ -372,7 +189,7 @@ def generate_with_tools(
         return Trajectories(
             completion_ids,
             logps,
-            versions,
+            token_versions,
             completions,
             None,
             turns,
@@ -413,7 +230,7 @@ def generate_with_tools(
             tool_mask[i] += [0] * tool_length + [1] * len(ids)
             logps[i] += [0.0] * tool_length + row_logps
             sampling_logps[i] += [0.0] * tool_length + row_sampling
-            versions[i] += [NO_VERSION] * tool_length + [version] * len(ids)
+            token_versions[i] += [NO_VERSION] * tool_length + [version] * len(ids)
             completion_ids[i] = extended[i][len(prompt_ids[i]) :] + ids
             turns[i] += 1
             message = parse_completion(agent, ids, extended[i], tools_per_row[i]) if ids else {}
@@ -425,7 +242,7 @@ def generate_with_tools(
     return Trajectories(
         completion_ids=completion_ids,
         logps=logps,
-        versions=versions,
+        token_versions=token_versions,
         completions=completions,
         tool_mask=tool_mask,
         turns=turns,

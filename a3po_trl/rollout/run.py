@@ -20,16 +20,10 @@ from ..generation.backend import GenerationBackend
 from ..padding import pad_rows, pad_values
 from ..timeline import record_in_batch_span
 from ..types import ScoredBatch, ToolStats
-from .custom import run_rollout_func
-from .multi_turn import (
-    NO_VERSION,
-    AgentSettings,
-    Trajectories,
-    generate_with_tools,
-    prepare_agent_prompts,
-    prompt_tools,
-)
+from .multi_turn import AgentSettings, generate_with_tools, prepare_agent_prompts, prompt_tools
+from .rollout_func import run_rollout_func
 from .scoring import score_completions
+from .trajectories import NO_VERSION, Trajectories
 
 
 @dataclass
@@ -58,7 +52,7 @@ class RolloutSettings:
     agent: AgentSettings | None = None
     """Tools and environments (multi-turn rollouts), or None."""
     rollout_func: Callable | None = None
-    """GRPOTrainer's ``rollout_func(prompts, trainer)`` (see :mod:`a3po_trl.rollout.custom`), or None."""
+    """GRPOTrainer's ``rollout_func(prompts, trainer)`` (see :mod:`a3po_trl.rollout.rollout_func`), or None."""
     rollout_owner: Any = None
     """What ``rollout_func`` receives as its trainer."""
 
@@ -120,7 +114,7 @@ def run_rollout(
         "completion_ids": completion_ids,
         "completion_mask": completion_mask,
         "behavior_logps": pad_values(trajectories.logps, 0.0, width, torch.float32),
-        "token_versions": pad_values(trajectories.versions, NO_VERSION, width, torch.long),
+        "token_versions": pad_values(trajectories.token_versions, NO_VERSION, width, torch.long),
     }
     if trajectories.sampling_logps is not None:  # the sampler drew from a processed (truncated, penalised) policy
         tensors["sampling_logps"] = pad_values(trajectories.sampling_logps, 0.0, width, torch.float32)
@@ -197,7 +191,7 @@ def generate_single_turn(settings, backend, prompts, prompt_ids, should_stop, se
         completion_ids=generated.completion_ids,
         logps=[lp.float().cpu() for lp in generated.logps],
         sampling_logps=[lp.float().cpu() for lp in sampling_logps] if sampling_logps is not None else None,
-        versions=[[version] * len(ids) for ids in generated.completion_ids],
+        token_versions=[[version] * len(ids) for ids in generated.completion_ids],
         completions=settings.decode(generated.completion_ids, prompt_ids, prompts),
         timings=timings,
     )

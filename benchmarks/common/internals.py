@@ -1,34 +1,35 @@
 """Every name of ``a3po_trl``'s internals that a benchmark reads, in one place.
 
-The public API is what ``a3po_trl`` exports; the benchmarks also look inside: at the generation engine's counters and
+The public API is what ``a3po_trl`` exports; the benchmarks also look inside: at the batch producer's counters and
 queue, at the generator's weight backend, and at the source files and functions a py-spy profile passes through. A
 module or attribute renamed in the package is fixed here, once; nothing else under ``benchmarks/`` names them.
 """
 
 from __future__ import annotations
 
-# --- the generation engine of the last ``train()`` ---------------------------------------------------------------
+# --- the batch producer of the last ``train()`` ------------------------------------------------------------------
 
 
-def generation_engine(trainer):
-    """The generation engine of the trainer's last ``train()`` (None before one, or for TRL's trainer)."""
-    return getattr(trainer, "last_generation_engine", None)
+def batch_producer(trainer):
+    """The batch producer (generation thread and queue) of the trainer's last ``train()`` (None before one, or for
+    TRL's trainer)."""
+    return getattr(trainer, "last_batch_producer", None)
 
 
-def engine_counts(engine) -> dict:
-    """Batches the engine produced and the trainer consumed, of how many, and the queue's bound and deepest fill."""
+def producer_counts(producer) -> dict:
+    """Batches the producer made and the trainer consumed, of how many, and the queue's bound and deepest fill."""
     return {
-        "produced": engine.produced,
-        "consumed": engine.consumed,
-        "num_batches": engine.num_batches,
-        "queue_bound": engine.queue.maxsize,
-        "max_queue_depth": engine.queue.max_depth_seen,
+        "produced": producer.produced,
+        "consumed": producer.consumed,
+        "num_batches": producer.num_batches,
+        "queue_bound": producer.queue.maxsize,
+        "max_queue_depth": producer.queue.max_depth_seen,
     }
 
 
-def queue_depth(engine) -> int:
-    """Batches waiting in the engine's queue now."""
-    return len(engine.queue)
+def queue_depth(producer) -> int:
+    """Batches waiting in the producer's queue now."""
+    return len(producer.queue)
 
 
 # --- the generator's weights ----------------------------------------------------------------------------------------
@@ -85,13 +86,13 @@ def generator_memory(generator, trainer_module) -> dict:
 # --- where a py-spy profile's samples are ---------------------------------------------------------------------------
 
 #: A sample is the generation thread's when its stack has all of these.
-GENERATION_THREAD_FRAMES = ("generation/engine.py", "_run (")
+GENERATION_THREAD_FRAMES = ("generation/producer.py", "_run (")
 #: A sample is the training (main) thread's when its stack has this.
 TRAINING_LOOP_FRAME = "_inner_training_loop"
 #: (activity, substrings that must all be in the stack), first match wins: work before waits, since with
 #: ``async_generation=False`` generation runs inside the trainer's get.
 PROFILE_ACTIVITIES = [
-    ("recompute forward", ("_take_scored_batch", "_get_per_token_logps_and_entropies")),
+    ("recompute forward", ("attach_proximal_logps", "_get_per_token_logps_and_entropies")),
     ("behavior logps (recorded while sampling)", ("_record (", "sampling.py")),
     ("behavior logps (extra forward)", ("per_token_logps_fused",)),
     ("generate: model forward (decoding)", ("generate (", "_wrapped_call_impl")),
@@ -100,8 +101,8 @@ PROFILE_ACTIVITIES = [
     ("rewards", ("_calculate_rewards",)),
     ("wait: generator waits for staleness bound", ("_wait_for_version",)),
     ("wait: queue full", ("put (", "generation/queue.py")),
-    ("wait: trainer waits for samples", ("get (", "generation/engine.py")),
-    ("batch intake (move, gather, metrics)", ("_take_scored_batch",)),
+    ("wait: trainer waits for samples", ("get (", "generation/producer.py")),
+    ("batch intake (move, gather, metrics)", ("make_training_batch",)),
     ("weight refresh (generator copy)", ("refresh (", "generation/backend.py")),
     ("weight publish", ("_publish_weights",)),
     ("backward: LM head + log-softmax (TRL's chunked kernel)", ("backward (", "chunked_logprob.py")),

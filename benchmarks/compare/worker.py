@@ -85,7 +85,7 @@ def run_training_config(config, common) -> dict:
         wall = time.perf_counter() - start
         load = meter.stop()
         series = per_step_series(trainer.state.log_history, common["steps"])
-        engine = internals.generation_engine(trainer)
+        producer = internals.batch_producer(trainer)
         result = {
             "model_name": model_name,
             "train_seconds": wall,
@@ -96,13 +96,13 @@ def run_training_config(config, common) -> dict:
             **load,
             "loadavg_end": load_average(),
         }
-        if engine is not None:
-            result["engine"] = internals.engine_counts(engine)
+        if producer is not None:
+            result["engine"] = internals.producer_counts(producer)  # the records' key
         if cuda:
             result["cuda_peak_allocated_mb"] = {
                 f"cuda:{i}": torch.cuda.max_memory_allocated(i) / 2**20 for i in range(torch.cuda.device_count())
             }
-        del trainer, engine
+        del trainer, producer
         gc.collect()
     return result
 

@@ -90,7 +90,10 @@ def check_training_config(name, config, report):
     assert staleness is not None and 0 <= config["staleness_mean"] <= config["staleness_max"] <= staleness, name
     for key in ("prox_time", "trainer_wait_time", "generator_wait_time", "weight_sync_time", "behavior_logps_time"):
         assert non_negative(config[key]), (name, key, config[key])
-    assert positive(config["prox_time"]), name  # the interpolation or the forward was timed
+    if "recompute" in name:  # one optimizer step per batch: the training forward's own log-probs, no forward to time
+        assert config["prox_time"] == 0, name
+    else:
+        assert positive(config["prox_time"]), name  # the interpolation was timed
     assert positive(config["importance_weight_mean"]) and positive(config["importance_weight_max"]), name
     assert 0 <= config["importance_weight_masked_frac"] <= 1, name
     if staleness == 0:

@@ -58,10 +58,10 @@ def test_smollm2_trains_asynchronously_and_evaluates(tmp_path):
     assert max(h["a3po/staleness_max"] for h in logs) == 1, "the generator ran one step ahead"
     assert all("rewards/correctness_reward/mean" in h and "rewards/format_reward/mean" in h for h in logs)
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
-    engine = trainer.last_generation_engine
-    assert engine.produced == engine.consumed == STEPS
-    engine.backend.refresh()
-    assert generator_matches(engine.backend, trainer.model)
+    producer = trainer.last_batch_producer
+    assert producer.produced == producer.consumed == STEPS
+    producer.backend.refresh()
+    assert generator_matches(producer.backend, trainer.model)
 
     result = evaluate_accuracy(trainer.model, tokenizer, held_out, max_new_tokens=12, batch_size=4)
     assert result["count"] == 4 and 0.0 <= result["accuracy"] <= 1.0

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
-from a3po_trl import trainer as trainer_module
+from a3po_trl import builders
 from a3po_trl.checkpoints import checkpoint_problems, newest_complete_checkpoint, resolve_resume_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -85,7 +85,7 @@ def test_resume_true_skips_a_partial_newest_checkpoint(tokenizer, tmp_path, capl
     resumed = make_trainer(tokenizer, tmp_path, max_steps=3, **CHECKPOINTS)
     recorder = _RecordResumedStep()
     resumed.add_callback(recorder)
-    with caplog.at_level(logging.WARNING, logger="a3po_trl.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="a3po_trl.checkpoints.saves"):
         resumed.train(resume_from_checkpoint=True)
     assert f"skips {out / 'checkpoint-2'}" in caplog.text and "trainer_state.json is missing" in caplog.text
     assert recorder.started_at == 1 and resumed.state.global_step == 3
@@ -155,9 +155,9 @@ def test_a_path_given_as_resume_from_checkpoint_restores_the_generators_kept_ver
         loaded.append(directory)
         return real_load(directory)
 
-    real_load = trainer_module.load_kept_versions
+    real_load = builders.load_kept_versions
     resumed = make_trainer(tokenizer, tmp_path, **settings)
-    with mock.patch.object(trainer_module, "load_kept_versions", load_kept_versions):
+    with mock.patch.object(builders, "load_kept_versions", load_kept_versions):
         resumed.train(resume_from_checkpoint=Path(checkpoint))
     assert loaded == [str(checkpoint)] and real_load(loaded[0])
     assert resumed.state.global_step == 4

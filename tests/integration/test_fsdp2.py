@@ -94,7 +94,8 @@ def test_under_bf16_mixed_precision_the_generator_holds_bf16_not_the_fp32_master
 def test_reference_reward_model_recompute_and_evaluation_run_sharded(tmp_path, lora):
     """What runs sharded in the main thread of every process: the reference forward (beta > 0: a sharded reference
     model, or the adapter-disabled policy under LoRA), a reward model given as a module (FSDP2 shards it too, so it is
-    scored in the main thread, not the generation thread), the recompute forward (prox_logp_method="metrics") and
+    scored in the main thread, not the generation thread), the recompute forward (prox_logp_method="metrics" trains
+    with the training forward's own log-probs at one step per batch: the script runs it after training) and
     GRPOTrainer's evaluation; at max_staleness=0, so the generator's log-probs are compared after every update."""
     reports = _launch(tmp_path, "--extras", *(["--lora"] if lora else []))
     for r in reports:
@@ -105,6 +106,7 @@ def test_reference_reward_model_recompute_and_evaluation_run_sharded(tmp_path, l
         assert max(r["logps_max_abs_diff"].values()) <= LOGPS_TOLERANCE
         assert r["ref_model"] == (None if lora else "FSDPLlamaForCausalLM")
         assert r["reward_model_threads"] == ["MainThread"]
+        assert r["recompute_max_abs_diff"] <= LOGPS_TOLERANCE
         for key in ("kl", "a3po/approx_logp_abs_error", "eval_loss", "eval_reward"):
             assert key in r["logged_keys"], key
     if lora:  # TRL's frozen "ref" adapter is saved too, with its own (untrained) weights

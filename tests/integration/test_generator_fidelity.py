@@ -76,11 +76,11 @@ def test_generator_keeps_the_fp32_lm_head(tokenizer, tmp_path):
             tokenizer, tmp_path / str(bf16), model=model, bf16=bf16, cast_lm_head_to_fp32=True, max_steps=2
         )
         trainer.train()
-        head = trainer.last_generation_engine.backend.module.lm_head
+        head = trainer.last_batch_producer.backend.module.lm_head
         assert head.weight.dtype == torch.float32
         dtypes = []
         hook = head.register_forward_hook(lambda module, args, output, dtypes=dtypes: dtypes.append(output.dtype))
-        trainer.last_generation_engine.backend.module.generate(
+        trainer.last_batch_producer.backend.module.generate(
             input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False
         )
         hook.remove()
@@ -198,7 +198,7 @@ def test_beam_search_trains_with_behavior_log_probs_from_a_forward(tokenizer, tm
         )
         trainer.train()
     assert "num_beams=2" in caplog.text
-    assert trainer.last_generation_engine.produced == 2
+    assert trainer.last_batch_producer.produced == 2
 
 
 def test_dropout_left_on_is_reported(tokenizer, tmp_path, caplog):

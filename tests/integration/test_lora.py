@@ -36,7 +36,7 @@ def _lora_trainer(tokenizer, tmp_path, **overrides):
 def test_generator_shares_base_and_copies_only_the_adapter(tokenizer, tmp_path):
     trainer = _lora_trainer(tokenizer, tmp_path)
     trainer.train()
-    policy = trainer.last_generation_engine.backend
+    policy = trainer.last_batch_producer.backend
     adapter, base = _adapter_and_base_sizes(trainer.model)
     assert policy.copied_parameter_count == adapter
     assert policy.shared_parameter_count == base
@@ -57,6 +57,7 @@ def test_ready_peft_model_and_beta_uses_adapter_disabled_reference(tokenizer, tm
     from tiny import length_reward, make_prompts
 
     from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
+    from a3po_trl.training_batch import reference_logps
 
     base = make_model(tokenizer)
     base_reference = copy.deepcopy(base)
@@ -75,7 +76,7 @@ def test_ready_peft_model_and_beta_uses_adapter_disabled_reference(tokenizer, tm
     ids = torch.randint(0, 256, (2, 12))
     mask = torch.ones_like(ids)
     with torch.no_grad():
-        reference = trainer._reference_logps(ids, mask, 6)
+        reference = reference_logps(trainer, ids, mask, 6)
         from trl.trainer.utils import add_fused_lm_head
 
         add_fused_lm_head(base_reference, temperature=trainer.temperature)
@@ -111,7 +112,7 @@ def test_generator_memory_is_adapter_sized(tokenizer, tmp_path, full):
     else:
         trainer = _lora_trainer(tokenizer, tmp_path, max_steps=1)
     trainer.train()
-    policy = trainer.last_generation_engine.backend
+    policy = trainer.last_batch_producer.backend
     total = sum(p.numel() for p in trainer.model.parameters())
     extra = policy.copied_parameter_count
     if full:

@@ -14,7 +14,9 @@ from tiny import CALL, DONE, encode, make_model, make_tool_tokenizer, scripted_g
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
 from a3po_trl.generation.backend import GenerationBackend
 from a3po_trl.generation.weights import ParameterGather, StagingLayout, VersionedWeights
-from a3po_trl.rollout.multi_turn import NO_VERSION, AgentSettings, ToolCaller, generate_with_tools
+from a3po_trl.rollout.multi_turn import AgentSettings, generate_with_tools
+from a3po_trl.rollout.tools import ToolCaller
+from a3po_trl.rollout.trajectories import NO_VERSION
 from a3po_trl.types import GeneratedCompletions, GenerationStopped
 
 
@@ -182,7 +184,8 @@ def test_every_token_records_the_version_that_generated_it(tool_tokenizer, refre
     call_ids = encode(tool_tokenizer, CALL.format(name="multiply", arguments='{"a": 3, "b": 4}'))
     done_ids = encode(tool_tokenizer, DONE)
     for row in range(2):
-        ids, mask, versions, logps = out.completion_ids[row], out.tool_mask[row], out.versions[row], out.logps[row]
+        ids, mask, logps = out.completion_ids[row], out.tool_mask[row], out.logps[row]
+        versions = out.token_versions[row]
         assert ids[: len(call_ids)] == call_ids and ids[-len(done_ids) :] == done_ids
         tool_length = len(ids) - len(call_ids) - len(done_ids)
         assert mask == [1] * len(call_ids) + [0] * tool_length + [1] * len(done_ids)
@@ -251,7 +254,8 @@ def test_turn_limit_and_completion_budget_end_a_trajectory(tool_tokenizer):
     assert len(short.completion_ids[0]) <= budget
     assert short.turns == [2]
     assert [m["role"] for m in short.completions[0]] == ["assistant", "tool", "assistant"]
-    assert len(short.completion_ids[0]) == len(short.tool_mask[0]) == len(short.versions[0]) == len(short.logps[0])
+    lengths = (short.completion_ids[0], short.tool_mask[0], short.token_versions[0], short.logps[0])
+    assert len({len(values) for values in lengths}) == 1
 
 
 # ---- through the trainer ----------------------------------------------------------------------------------------
@@ -324,7 +328,7 @@ def test_tools_train_with_tool_results_masked_out_of_the_loss(tool_tokenizer, tm
     for row in range(3):
         ids = inputs["completion_ids"][row][inputs["completion_mask"][row].bool()].tolist()
         mask = inputs["tool_mask"][row][: len(ids)].tolist()
-        versions = inputs["policy_version"][row][: len(ids)].tolist()
+        versions = inputs["token_versions"][row][: len(ids)].tolist()
         text = tool_tokenizer.decode(ids)
         if "<tool_response>" in text:  # a called tool: the result is attended to, not trained on
             tool_tokens = [t for t, m in zip(ids, mask) if m == 0]
@@ -391,7 +395,7 @@ def test_a_weight_update_during_a_tool_call_stales_the_trajectory_token_by_token
     second = seen[1]
     for row in range(3):
         mask = second["tool_mask"][row].bool() & second["completion_mask"][row].bool()
-        versions = second["policy_version"][row][mask].tolist()
+        versions = second["token_versions"][row][mask].tolist()
         assert versions[:call_length] == [0] * call_length
         assert set(versions[call_length:]) == {1}
     assert logged(trainer, "a3po/multi_version_trajectories_frac") == [0.0, 1.0]
@@ -542,7 +546,7 @@ def test_rollout_func_runs_in_the_generation_thread_with_versioned_weights(token
     assert seen_turns == [2] * 9
     for inputs in seen:
         tool_mask, mask = inputs["tool_mask"], inputs["completion_mask"].bool()
-        versions = inputs["policy_version"]
+        versions = inputs["token_versions"]
         assert ((tool_mask == 0) & mask).sum(1).tolist() == [len(feedback)] * 3
         assert (versions[(tool_mask == 0) & mask] == NO_VERSION).all()
         assert (versions[(tool_mask == 1) & mask] >= 0).all()

@@ -1,4 +1,7 @@
-"""Reliability: bad input is caught before work starts, faults surface cleanly, checkpoints resume exactly."""
+"""Reliability: bad input is caught before work starts, faults surface cleanly, checkpoints resume exactly.
+
+The refusals that load no model are unit tests of the config (tests/unit/test_config.py) and of the validation
+(tests/unit/test_validation.py)."""
 
 import math
 import os
@@ -6,115 +9,16 @@ import threading
 
 import pytest
 import torch
-from datasets import Dataset
-from helpers import COMMON, StopAt, logged, logged_after, make_trainer, model_weights
+from helpers import StopAt, logged, logged_after, make_trainer, model_weights
 from tiny import length_reward, make_model, make_prompts
 from transformers import AutoModelForCausalLM, TrainerCallback
-from trl import GRPOConfig
-
-from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
-
-BAD_CONFIGS = [
-    ({"max_staleness": -1}, "max_staleness=-1"),
-    ({"max_staleness": 1.5}, "max_staleness=1.5"),
-    ({"behavior_weight_cap": 1.0}, "behavior_weight_cap=1.0"),
-    ({"behavior_weight_cap": 0.5}, "behavior_weight_cap=0.5"),
-    ({"prox_logp_method": "exact"}, "prox_logp_method='exact'"),
-    ({"behavior_weight_cap_mode": "clip"}, "behavior_weight_cap_mode='clip'"),
-    ({"per_device_train_batch_size": 6}, "must be divisible by num_generations (4)"),
-    ({"steps_per_generation": 3, "max_staleness": 1}, "max_staleness=1 is too small"),
-    ({"generation_num_threads": 0}, "generation_num_threads=0"),
-    ({"generation_poll_interval": 0}, "generation_poll_interval=0"),
-    ({"generation_stop_timeout": -1}, "generation_stop_timeout=-1"),
-]
 
 
-@pytest.mark.parametrize("overrides, message", BAD_CONFIGS)
-def test_bad_config_values_name_the_field(tmp_path, overrides, message):
-    with pytest.raises(ValueError) as info:
-        AsyncA3POConfig(output_dir=str(tmp_path), **{**COMMON, **overrides})
-    assert message in str(info.value)
-
-
-BAD_OPTIONS = [
-    ({"use_transformers_continuous_batching": True}, "use_transformers_continuous_batching=False"),
-]
-
-VLLM = {"use_vllm": True}
-BAD_VLLM_OPTIONS = [
-    ({**VLLM, "vllm_mode": "remote"}, "vllm_mode='remote' must be one of"),
-    ({**VLLM, "vllm_enable_sleep_mode": True}, "vllm_enable_sleep_mode=True.*vllm_gpu_memory_utilization"),
-    ({**VLLM, "vllm_structured_outputs_regex": "[0-9]+"}, "vllm_structured_outputs_regex.*masked distribution"),
-    ({**VLLM, "vllm_tensor_parallel_size": 2}, "vllm_tensor_parallel_size=2.*vllm_mode='server'"),
-    ({**VLLM, "vllm_importance_sampling_correction": False}, "vllm_importance_sampling_correction=False.*cannot"),
-    ({**VLLM, "vllm_importance_sampling_mode": "token_mask"}, "vllm_importance_sampling_mode=.*behavior_weight_cap"),
-    ({**VLLM, "vllm_importance_sampling_clip_max": 2.0}, "vllm_importance_sampling_clip_max=2.0.*behavior_weight_cap"),
-    ({**VLLM, "behavior_logps_source": "forward"}, "behavior_logps_source='forward'.*'generation'"),
-    # vLLM reports only the truncated (processed) log-probs: an on-policy ratio would be the kept mass, not 1
-    ({**VLLM, "top_p": 0.7}, r"top_p=0.7 \(in the config\).*Set top_p=1.0, or generate with use_vllm=False"),
-    ({**VLLM, "top_k": 5}, r"top_k=5 .*Set top_k=0"),
-    ({**VLLM, "min_p": 0.1}, r"min_p=0.1 .*Set min_p=0.0"),
-    ({**VLLM, "repetition_penalty": 1.1}, r"repetition_penalty=1.1 .*Set repetition_penalty=1.0"),
-    ({**VLLM, "generation_kwargs": {"presence_penalty": 0.5}}, r"presence_penalty=0.5 \(in generation_kwargs\)"),
-    # the untruncated log-probs of a forward cannot weight samples drawn from a truncated distribution
-    ({"behavior_logps_source": "forward", "top_p": 0.9}, r"top_p=0.9.*behavior_logps_source='generation'"),
-]
-
-
-@pytest.mark.parametrize("overrides, message", BAD_VLLM_OPTIONS)
-def test_vllm_settings_that_cannot_be_honoured_name_the_field_before_the_model_loads(
-    tokenizer, tmp_path, overrides, message
-):
-    with pytest.raises(ValueError, match=message):
-        make_trainer(tokenizer, tmp_path, model="does-not-exist/never-loaded", **overrides)
-
-
-@pytest.mark.parametrize("overrides, message", BAD_OPTIONS)
-def test_unsupported_options_are_rejected_before_the_model_loads(tokenizer, tmp_path, overrides, message):
-    with pytest.raises(NotImplementedError, match=message):
-        make_trainer(tokenizer, tmp_path, model="does-not-exist/never-loaded", **overrides)
-
-
-def test_a_generation_kwargs_temperature_that_differs_is_refused_before_the_model_loads(tmp_path):
-    message = r"generation_kwargs sets temperature=0.5.*scaled by temperature=1.0.*Set temperature=0.5 in the config"
-    with pytest.raises(ValueError, match=message):
-        AsyncA3POConfig(output_dir=str(tmp_path), generation_kwargs={"temperature": 0.5}, **COMMON)
-    # a GRPOConfig is converted, and refused, before the trainer resolves a model id that cannot load
-    grpo = GRPOConfig(output_dir=str(tmp_path), generation_kwargs={"temperature": 0.5}, **COMMON)
-    with pytest.raises(ValueError, match=message):
-        AsyncA3POTrainer(
-            model="does-not-exist/never-loaded", reward_funcs=[length_reward], args=grpo, train_dataset=make_prompts(8)
-        )
-    agreeing = AsyncA3POConfig(
-        output_dir=str(tmp_path), temperature=0.7, generation_kwargs={"temperature": 0.7}, **COMMON
-    )
-    assert agreeing.generation_kwargs == {"temperature": 0.7}
-
-
-def test_rollout_func_with_tools_is_rejected(tokenizer, tmp_path):
-    args = AsyncA3POConfig(output_dir=str(tmp_path), **COMMON)
-    with pytest.raises(NotImplementedError, match="rollout_func together with tools"):
-        AsyncA3POTrainer(
-            model="does-not-exist/never-loaded",
-            reward_funcs=[length_reward],
-            args=args,
-            train_dataset=make_prompts(8),
-            rollout_func=length_reward,
-            tools=[length_reward],
-        )
-
-
-@pytest.mark.parametrize(
-    "dataset, message",
-    [
-        (Dataset.from_dict({"question": ["a", "b"]}), "no 'prompt' column"),
-        (Dataset.from_dict({"prompt": []}), "empty"),
-        (make_prompts(1), "fewer than one generation batch"),
-    ],
-)
-def test_bad_datasets_are_rejected(tokenizer, tmp_path, dataset, message):
-    with pytest.raises(ValueError, match=message):
-        make_trainer(tokenizer, tmp_path, dataset=dataset, per_device_train_batch_size=8, num_generations=4)
+def test_a_dataset_smaller_than_one_generation_batch_is_rejected(tokenizer, tmp_path):
+    """Refusals that need no model are unit tests of the config and the validation (tests/unit); this one needs the
+    loaded trainer's generation batch size."""
+    with pytest.raises(ValueError, match="fewer than one generation batch"):
+        make_trainer(tokenizer, tmp_path, dataset=make_prompts(1), per_device_train_batch_size=8, num_generations=4)
 
 
 def _no_generation_thread_alive():
@@ -218,7 +122,7 @@ def test_resume_with_thread_starts_generator_at_restored_version(tokenizer, tmp_
     staleness = logged_after(resumed, "a3po/staleness_max", 2)
     assert versions[0] == 2 and min(versions) >= 2  # generator restarted from the restored weights
     assert len(staleness) == 2 and max(staleness) <= 2
-    assert resumed.last_generation_engine.consumed == 2
+    assert resumed.last_batch_producer.consumed == 2
 
 
 @pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
@@ -306,8 +210,8 @@ def test_a_generation_error_after_the_last_batch_taken_surfaces_from_train(token
     trainer = make_trainer(tokenizer, tmp_path, reward_funcs=(fails_on_the_second_batch,), max_staleness=2)
 
     def thread_ended():  # it fails on batch 1, which the trainer, stopping after step 1, never takes
-        trainer.last_generation_engine.thread.join(60)
-        return not trainer.last_generation_engine.thread.is_alive()
+        trainer.last_batch_producer.thread.join(60)
+        return not trainer.last_batch_producer.thread.is_alive()
 
     trainer.add_callback(_StopWhen(1, thread_ended))
     with pytest.raises(RuntimeError, match="the reward server went away"):
@@ -336,13 +240,13 @@ def test_a_second_train_is_refused_while_the_first_ones_generation_thread_is_sti
     try:
         with pytest.raises(KeyboardInterrupt):
             trainer.train()
-        stuck = trainer.last_generation_engine.thread
+        stuck = trainer.last_batch_producer.thread
         assert stuck.is_alive()
         with pytest.raises(RuntimeError, match=r"generation thread of an earlier train\(\) call .* still running"):
             trainer.train()
     finally:
         release.set()
-        trainer.last_generation_engine.thread.join(60)
+        trainer.last_batch_producer.thread.join(60)
     trainer.remove_callback(_StopWhen)
     trainer.train()  # once the thread has ended, the trainer trains again
     assert trainer.state.global_step == 2

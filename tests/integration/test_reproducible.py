@@ -45,7 +45,7 @@ def _run(tokenizer, tmp_path, lora, **overrides):
 def test_two_runs_with_the_thread_on_are_identical(tokenizer, tmp_path, lora):
     first = _run(tokenizer, tmp_path / "a", lora)
     second = _run(tokenizer, tmp_path / "b", lora)
-    assert first.args.async_generation and first.last_generation_engine.thread is not None
+    assert first.args.async_generation and first.last_batch_producer.thread is not None
     for key in ("loss", "reward", "grad_norm", "async/generator_version", "a3po/staleness_max"):
         assert logged(first, key) == logged(second, key), key
     # exactly the scheduled staleness: 0, 1, then max_staleness for every later batch
@@ -53,7 +53,7 @@ def test_two_runs_with_the_thread_on_are_identical(tokenizer, tmp_path, lora):
     assert [int(v) for v in logged(first, "async/generator_version")] == [0, 0, 0, 1, 2, 3]
     a, b = model_weights(first), model_weights(second)
     assert all(torch.equal(a[n], b[n]) for n in a)
-    assert first.last_generation_engine.schedule_misses == 0
+    assert first.last_batch_producer.schedule_misses == 0
 
 
 def test_reproducible_run_resumes_bit_for_bit(tokenizer, tmp_path):

@@ -1,4 +1,5 @@
-"""The batch schedule follows transformers' real training loop (a3po_trl.schedule), so max_staleness always holds."""
+"""The batch schedule follows transformers' real training loop (a3po_trl.generation.schedule), so max_staleness
+always holds."""
 
 import logging
 
@@ -35,15 +36,15 @@ class _RecordVersions(TrainerCallback):
 
 
 def _assert_bound_held(trainer, max_staleness, caplog):
-    engine = trainer.last_generation_engine
+    producer = trainer.last_batch_producer
     staleness_max = logged(trainer, "a3po/staleness_max")
     assert staleness_max and max(staleness_max) <= max_staleness, staleness_max
     for entry in trainer.state.log_history:
         if "a3po/staleness_max" in entry:
             histogram = sum(v for k, v in entry.items() if k.startswith("a3po/staleness_frac_"))
             assert histogram == pytest.approx(1.0), entry
-    assert engine.produced == engine.consumed == engine.num_batches
-    assert engine.schedule_misses == 0
+    assert producer.produced == producer.consumed == producer.num_batches
+    assert producer.schedule_misses == 0
     assert "its shape predicts" not in caplog.text
 
 
@@ -95,7 +96,7 @@ def test_predicted_versions_are_the_versions_the_loop_trains_at(tokenizer, tmp_p
     trainer.add_callback(recorder)
     trainer.train()
     actual = [version for kind, version in recorder.versions if kind in ("sub", "end")]
-    assert [step.version for step in trainer._micro_steps] == actual
+    assert [step.version for step in trainer._plan.micro_steps] == actual
     assert actual == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]  # windows [3, 2] in each 5-micro-step epoch
 
 
@@ -120,11 +121,11 @@ def test_resume_inside_a_batch_and_an_epoch_keeps_the_bound(tokenizer, tmp_path,
     with caplog.at_level(logging.WARNING, logger="a3po_trl"):
         resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
     _assert_bound_held(resumed, 1, caplog)
-    steps = resumed._micro_steps
+    steps = resumed._plan.micro_steps
     assert (steps[0].epoch, steps[0].position, steps[0].version) == (0, 3, 1)
     planned = plan_generation_batches(steps, 4)
     assert planned[0].first_offset == 3 and planned[0].micro_steps == 1  # the rest of the interrupted batch
-    assert resumed.last_generation_engine.consumed == len(planned)
+    assert resumed.last_batch_producer.consumed == len(planned)
 
 
 def _shapes():

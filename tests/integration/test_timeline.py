@@ -20,7 +20,7 @@ from a3po_trl.timeline import (
     record_in_batch_span,
     trace_path,
 )
-from a3po_trl.timeline_plot import draw_timeline
+from a3po_trl.timeline.plot import draw_timeline
 
 
 def test_the_recorder_keeps_the_newest_spans_of_every_thread_within_its_bound():
@@ -80,14 +80,14 @@ def _spans(trace, lane):
 
 
 def test_a_run_writes_both_threads_spans_with_versions_and_staleness(tokenizer, tmp_path):
-    trainer = make_trainer(tokenizer, tmp_path, max_steps=4, max_staleness=1, prox_logp_method="recompute")
+    trainer = make_trainer(tokenizer, tmp_path, max_steps=4, max_staleness=1)
     trainer.train()
     trace = json.loads(open(trace_path(trainer.args.output_dir, 0)).read())
     generation, training = _spans(trace, GENERATION_LANE), _spans(trace, TRAINING_LANE)
     generation_names = {e["name"] for e in generation}
     assert {"batch", "wait for staleness bound", "weight load", "generation", "rewards"} <= generation_names
     training_names = {e["name"] for e in training}
-    expected = {"step", "take batch", "wait for batch", "recompute forward", "forward/backward", "optimizer step"}
+    expected = {"step", "take batch", "wait for batch", "forward/backward", "optimizer step"}
     assert expected | {"publish weights"} <= training_names
     batches = sorted((e for e in generation if e["name"] == "batch"), key=lambda e: e["args"]["batch"])
     assert [e["args"]["batch"] for e in batches] == [0, 1, 2, 3]
@@ -135,7 +135,7 @@ def test_an_unwritable_timeline_folder_lets_training_and_its_checkpoints_finish_
 ):
     _block_the_timeline_folder(tmp_path)
     trainer = make_trainer(tokenizer, tmp_path, max_steps=2, save_strategy="steps", save_steps=1)
-    with caplog.at_level(logging.WARNING, logger="a3po_trl.trainer"):
+    with caplog.at_level(logging.WARNING, logger="a3po_trl.timeline.recorder"):
         trainer.train()
     assert trainer.state.global_step == 2
     assert checkpoint_problems(str(tmp_path / "out" / "checkpoint-2")) == []

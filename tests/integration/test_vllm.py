@@ -126,7 +126,7 @@ def test_training_with_vllm_keeps_the_staleness_bound_and_matches_the_engine(tok
         tokenizer, tmp_path, peft_config=lora_config() if lora else None, max_staleness=1, max_steps=4
     )
     trainer.train()
-    engine = trainer.last_generation_engine
+    engine = trainer.last_batch_producer
     assert engine.produced == engine.consumed == engine.num_batches == 4
     assert max(logged(trainer, "a3po/staleness_max")) == 1
     versions = [int(v) for v in logged(trainer, "async/generator_version")]
@@ -298,7 +298,7 @@ def test_training_against_the_server_with_lora_keeps_the_staleness_bound(tokeniz
         tokenizer, tmp_path, vllm_server, peft_config=lora_config(), max_staleness=1, max_steps=3
     )
     trainer.train()
-    engine = trainer.last_generation_engine
+    engine = trainer.last_batch_producer
     assert engine.produced == engine.consumed == engine.num_batches == 3
     assert max(logged(trainer, "a3po/staleness_max")) == 1
     versions = [int(v) for v in logged(trainer, "async/generator_version")]
@@ -521,7 +521,7 @@ def test_training_against_the_server_then_its_death_ends_train_within_seconds_ch
     with pytest.raises(VLLMServerError, match=vllm_server["url"]):
         trainer.train()
     assert time.perf_counter() - killed_at["time"] < 15
-    assert not trainer.last_generation_engine.thread.is_alive()  # joined
+    assert not trainer.last_batch_producer.thread.is_alive()  # joined
     mismatch = logged(trainer, "a3po/behavior_mismatch_max")
     assert mismatch and max(mismatch) < LOGP_TOLERANCE
     checkpoint = tmp_path / "out" / "checkpoint-2"

@@ -17,7 +17,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from accelerate import Accelerator  # noqa: E402
 from helpers import StandInTrainer  # noqa: E402
 
-from a3po_trl import checkpoint_files, checkpoints  # noqa: E402
+from a3po_trl.checkpoints import files as checkpoint_files  # noqa: E402
+from a3po_trl.checkpoints import saves as checkpoints  # noqa: E402
 
 
 def outcome(scenario):

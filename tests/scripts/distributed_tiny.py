@@ -33,6 +33,7 @@ from tiny import (  # noqa: E402
 
 from a3po_trl import AsyncA3POTrainer  # noqa: E402
 from a3po_trl import trainer as trainer_module  # noqa: E402
+from a3po_trl import training_batch as training_batch_module  # noqa: E402
 from a3po_trl.distributed import teardown_registered  # noqa: E402
 
 
@@ -55,14 +56,14 @@ def main():
             lambda *args: reward_model_threads.append(threading.current_thread().name)
         )
         reward_funcs, reward_processing_classes = [length_reward, reward_model], [None, tokenizer]
-        group_advantages = trainer_module.group_advantages
+        group_advantages = training_batch_module.group_advantages
 
         def recording_group_advantages(rewards_per_func, *args, **kwargs):
             result = group_advantages(rewards_per_func, *args, **kwargs)
             advantage_calls.append({"rewards": rewards_per_func.tolist(), "advantages": result[0].tolist()})
             return result
 
-        trainer_module.group_advantages = recording_group_advantages
+        training_batch_module.group_advantages = recording_group_advantages
     args = distributed_script_config(out_dir, scale_rewards="batch" if with_reward_model else "group")
     model, tool_threads, extra = make_model(tokenizer), [], {}
     if with_tools:
@@ -82,16 +83,16 @@ def main():
         **extra,
     )
     local_advantages = []
-    take = trainer._take_scored_batch
+    make_training_batch = trainer_module.make_training_batch
 
-    def recording_take():
-        data = take()
+    def recording_make_training_batch(*args, **kwargs):
+        data = make_training_batch(*args, **kwargs)
         local_advantages.append(data["advantages"].tolist())
         return data
 
-    trainer._take_scored_batch = recording_take
+    trainer_module.make_training_batch = recording_make_training_batch
     trainer.train()
-    policy = trainer.last_generation_engine.backend
+    policy = trainer.last_batch_producer.backend
     policy.refresh()  # load the last published weights (version = final global_step)
     state = trainer.accelerator.state
     report = {
@@ -105,7 +106,7 @@ def main():
         "generator_matches_trainer": generator_matches(policy, trainer.accelerator.unwrap_model(trainer.model)),
         "copied_parameters": policy.copied_parameter_count,
         "shared_parameters": policy.shared_parameter_count,
-        "batches_consumed": trainer.last_generation_engine.consumed,
+        "batches_consumed": trainer.last_batch_producer.consumed,
         "max_staleness_seen": max(
             h["a3po/staleness_max"] for h in trainer.state.log_history if "a3po/staleness_max" in h
         ),

@@ -32,7 +32,8 @@ from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
 
 from a3po_trl import AsyncA3POTrainer  # noqa: E402
 from a3po_trl import trainer as trainer_module  # noqa: E402
-from a3po_trl.generation.engine import GenerationEngine  # noqa: E402
+from a3po_trl import training_batch as training_batch_module  # noqa: E402
+from a3po_trl.generation.producer import BatchProducer  # noqa: E402
 
 
 def option(name, default=None):
@@ -90,14 +91,14 @@ def main():
         settings.update(save_strategy="steps", save_steps=1, max_staleness=1)
     args = distributed_script_config(out_dir, **settings)
     advantage_calls, local_advantages = [], []
-    group_advantages = trainer_module.group_advantages
+    group_advantages = training_batch_module.group_advantages
 
     def recording_group_advantages(rewards_per_func, *args, **kwargs):
         result = group_advantages(rewards_per_func, *args, **kwargs)
         advantage_calls.append({"rewards": rewards_per_func.tolist(), "advantages": result[0].tolist()})
         return result
 
-    trainer_module.group_advantages = recording_group_advantages
+    training_batch_module.group_advantages = recording_group_advantages
     lora_settings = dict(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
     peft_config = LoraConfig(**lora_settings, use_dora="--dora" in sys.argv) if lora else None
     tokenizer = make_tokenizer()
@@ -112,24 +113,24 @@ def main():
     )
     rank = trainer.accelerator.process_index
     report = {"rank": rank, "world_size": trainer.accelerator.num_processes}
-    take = trainer._take_scored_batch
+    make_training_batch = trainer_module.make_training_batch
 
-    def recording_take():
-        data = take()
+    def recording_make_training_batch(*args, **kwargs):
+        data = make_training_batch(*args, **kwargs)
         local_advantages.append(data["advantages"].tolist())
         return data
 
-    trainer._take_scored_batch = recording_take
+    trainer_module.make_training_batch = recording_make_training_batch
     batches = []  # (index, version, oldest allowed version, completion ids) of every batch, as the trainer takes them
-    get = GenerationEngine.get
+    get = BatchProducer.get
 
-    def recording_get(engine):
-        batch, waited = get(engine)
+    def recording_get(producer):
+        batch, waited = get(producer)
         completions = batch.tensors["completion_ids"].tolist()
-        batches.append((batch.index, batch.version, engine.min_version(batch.index), completions))
+        batches.append((batch.index, batch.version, producer.min_version(batch.index), completions))
         return batch, waited
 
-    GenerationEngine.get = recording_get
+    BatchProducer.get = recording_get
     if kill_pid is not None and rank == 0:
 
         class KillServer(TrainerCallback):
@@ -162,7 +163,7 @@ def main():
         report["error"] = f"{type(error).__name__}: {error}"
         report["traceback"] = traceback.format_exc()[-3000:]
     history = trainer.state.log_history
-    engine = trainer.last_generation_engine
+    producer = trainer.last_batch_producer
     shared = getattr(trainer._backend, "_shared", None)
     report.update(
         ended_at=time.time(),
@@ -170,7 +171,7 @@ def main():
         shared_switches=shared.switches if shared is not None else None,
         shared_wait_seconds=shared.wait_seconds if shared is not None else None,
         global_step=trainer.state.global_step,
-        batches_consumed=engine.consumed if engine is not None else 0,
+        batches_consumed=producer.consumed if producer is not None else 0,
         adapter=getattr(trainer._backend, "_adapter", None),
         lora_request=getattr(getattr(trainer._backend, "_lora_request", None), "lora_name", None),
         engine_model=engine_model(trainer._backend),

@@ -13,8 +13,9 @@ With ``--lora`` the main process saves the adapter with ``save_model()`` and loa
 checkpoint at step 2 and resumed from it by a third, started from other weights: the report holds both runs' logs after
 step 2 and whether their final weights are equal. With ``--extras`` the run adds what runs sharded in the main thread:
 a reference model (``beta > 0``; from a saved copy of the base, or the adapter-disabled model under LoRA), a reward
-model given as a module, ``prox_logp_method="metrics"`` (a recompute forward per batch) and evaluation, at
-``max_staleness=0`` so that the generator loads every version.
+model given as a module, ``prox_logp_method="metrics"`` and evaluation, at ``max_staleness=0`` so that the generator
+loads every version. At one optimizer step per batch ``metrics`` anchors at the training forward's own log-probs, so
+the recompute forward a batch trained over several steps gets is run after training, sharded, on the fixed completion.
 """
 
 import functools
@@ -162,7 +163,7 @@ def train_and_check(out_dir, tokenizer, lora, with_extras=False):
     trainer.add_callback(trainer_logps)
     record_generator_logps(trainer, fixed, generator_logps)
     trainer.train()
-    policy = trainer.last_generation_engine.backend
+    policy = trainer.last_batch_producer.backend
     policy.refresh()  # the last published version (= global_step), loaded here in the main thread
     model = trainer._unwrapped_model()
     sharded = [
@@ -186,7 +187,7 @@ def train_and_check(out_dir, tokenizer, lora, with_extras=False):
         "max_staleness_seen": max(
             h["a3po/staleness_max"] for h in trainer.state.log_history if "a3po/staleness_max" in h
         ),
-        "batches_consumed": trainer.last_generation_engine.consumed,
+        "batches_consumed": trainer.last_batch_producer.consumed,
         "reward_model_threads": sorted(set(reward_model_threads)),
         "mixed_precision": trainer.accelerator.mixed_precision,
         "trainable_dtypes": sorted({str(p.dtype) for p in model.parameters() if p.requires_grad}),
@@ -203,6 +204,12 @@ def train_and_check(out_dir, tokenizer, lora, with_extras=False):
         "ref_model": type(trainer.ref_model).__name__ if trainer.ref_model is not None else None,
         "logged_keys": sorted({key for h in trainer.state.log_history for key in h}),
     }
+    if with_extras:  # the recompute forward (main thread, every process together), against the training forward's
+        ids, mask, keep = fixed
+        batch = {"completion_ids": ids[:, -keep:]}
+        trainer.attach_proximal_logps(batch, ids, mask, batch_index=0, versions_training_batch=2)
+        recomputed = batch["recomputed_proximal_logps"].cpu()
+        report["recompute_max_abs_diff"] = (recomputed - trainer_logps.by_version[MAX_STEPS]).abs().max().item()
     if lora:
         report.update(check_saved_adapter(trainer, out_dir, tokenizer, policy, fixed))
     return trainer, report

@@ -1,4 +1,4 @@
-"""What a complete checkpoint folder is (a3po_trl/checkpoint_files.py): the manifest, shard maps, files that cannot be
+"""What a complete checkpoint folder is (a3po_trl/checkpoints/files.py): the manifest, shard maps, files that cannot be
 read, and the filesystem type under a folder."""
 
 import json
@@ -6,8 +6,8 @@ import os
 
 import torch
 
-from a3po_trl.checkpoint_files import filesystem_type, list_checkpoint_files, write_manifest
 from a3po_trl.checkpoints import checkpoint_problems
+from a3po_trl.checkpoints.files import filesystem_type, list_checkpoint_files, write_manifest
 
 
 def _checkpoint(folder, ranks=2):

@@ -13,8 +13,7 @@ import pytest
 import torch
 from helpers import StandInTrainer
 
-from a3po_trl import checkpoints
-from a3po_trl.checkpoints import checkpoint_problems, resolve_resume_checkpoint
+from a3po_trl.checkpoints import checkpoint_problems, resolve_resume_checkpoint, saves
 
 
 def payload(folder):
@@ -50,14 +49,14 @@ def test_a_kill_during_the_renames_leaves_a_save_that_resume_finishes(tmp_path, 
             raise KeyboardInterrupt
         real_rename(source, target)
 
-    monkeypatch.setattr(checkpoints.os, "rename", rename)
-    monkeypatch.setattr(checkpoints, "checkpoint_filesystem_problem", lambda run_dir: None, raising=False)
+    monkeypatch.setattr(saves.os, "rename", rename)
+    monkeypatch.setattr(saves, "checkpoint_filesystem_problem", lambda run_dir: None, raising=False)
     with pytest.raises(KeyboardInterrupt):
         trainer.save(2, payload=2.0)
-    monkeypatch.setattr(checkpoints.os, "rename", real_rename)
+    monkeypatch.setattr(saves.os, "rename", real_rename)
     assert (tmp_path / "tmp-checkpoint-2" / "checkpoint-2").is_dir()  # written whole, never renamed
 
-    with caplog.at_level(logging.WARNING, logger="a3po_trl.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="a3po_trl.checkpoints.saves"):
         chosen = resolve_resume_checkpoint(StandInTrainer(tmp_path), True)
     assert chosen == str(tmp_path / "checkpoint-2") and payload(chosen) == 2.0  # the save that was interrupted
     assert "finished the interrupted save" in caplog.text
@@ -73,11 +72,11 @@ def test_the_next_save_publishes_a_staged_checkpoint_written_whole_instead_of_de
             raise KeyboardInterrupt  # killed right before the rename: the folder is whole
         real_rename(source, target)
 
-    monkeypatch.setattr(checkpoints.os, "rename", rename)
-    monkeypatch.setattr(checkpoints, "checkpoint_filesystem_problem", lambda run_dir: None, raising=False)
+    monkeypatch.setattr(saves.os, "rename", rename)
+    monkeypatch.setattr(saves, "checkpoint_filesystem_problem", lambda run_dir: None, raising=False)
     with pytest.raises(KeyboardInterrupt):
         trainer.save(1)
-    monkeypatch.setattr(checkpoints.os, "rename", real_rename)
+    monkeypatch.setattr(saves.os, "rename", real_rename)
     trainer.save(2)  # a run started again without resume_from_checkpoint
     assert checkpoint_names(tmp_path) == ["checkpoint-1", "checkpoint-2"]
     assert checkpoint_problems(str(tmp_path / "checkpoint-1")) == []
@@ -131,7 +130,7 @@ def test_a_kill_during_rotation_never_leaves_a_half_deleted_checkpoint(tmp_path,
 
 
 def test_an_object_store_mount_is_refused_at_the_first_save(tmp_path, monkeypatch):
-    monkeypatch.setattr("a3po_trl.checkpoint_files.filesystem_type", lambda path: "fuse.s3fs")
+    monkeypatch.setattr("a3po_trl.checkpoints.files.filesystem_type", lambda path: "fuse.s3fs")
     with pytest.raises(RuntimeError) as raised:
         StandInTrainer(tmp_path).save(1)
     message = str(raised.value)

@@ -1,12 +1,14 @@
-"""AsyncA3POConfig built from a GRPOConfig: every GRPO setting survives, derived ones included."""
+"""AsyncA3POConfig: bad values refused naming the field, before any model loads; built from a GRPOConfig, every GRPO
+setting survives, derived ones included."""
 
 import dataclasses
 
 import pytest
 from helpers import COMMON
+from tiny import length_reward, make_prompts
 from trl import GRPOConfig
 
-from a3po_trl import AsyncA3POConfig
+from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
 
 # Each exercises a value GRPOConfig / TrainingArguments.__post_init__ derives: the batch schedule from either of its
 # two settings, bf16 from fp16, scale_rewards from a bool, eval_steps and do_eval from the eval strategy, the
@@ -77,3 +79,41 @@ def test_every_proximal_method_is_accepted_and_an_unknown_one_lists_them(tmp_pat
         assert AsyncA3POConfig(**COMMON, output_dir=str(tmp_path), prox_logp_method=method).prox_logp_method == method
     with pytest.raises(ValueError, match=r"'metrics', 'behavior'\)"):
         AsyncA3POConfig(**COMMON, output_dir=str(tmp_path), prox_logp_method="behaviour")
+
+
+BAD_CONFIGS = [
+    ({"max_staleness": -1}, "max_staleness=-1"),
+    ({"max_staleness": 1.5}, "max_staleness=1.5"),
+    ({"behavior_weight_cap": 1.0}, "behavior_weight_cap=1.0"),
+    ({"behavior_weight_cap": 0.5}, "behavior_weight_cap=0.5"),
+    ({"prox_logp_method": "exact"}, "prox_logp_method='exact'"),
+    ({"behavior_weight_cap_mode": "clip"}, "behavior_weight_cap_mode='clip'"),
+    ({"per_device_train_batch_size": 6}, "must be divisible by num_generations (4)"),
+    ({"steps_per_generation": 3, "max_staleness": 1}, "max_staleness=1 is too small"),
+    ({"generation_num_threads": 0}, "generation_num_threads=0"),
+    ({"generation_poll_interval": 0}, "generation_poll_interval=0"),
+    ({"generation_stop_timeout": -1}, "generation_stop_timeout=-1"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_CONFIGS)
+def test_bad_config_values_name_the_field(tmp_path, overrides, message):
+    with pytest.raises(ValueError) as info:
+        AsyncA3POConfig(output_dir=str(tmp_path), **{**COMMON, **overrides})
+    assert message in str(info.value)
+
+
+def test_a_generation_kwargs_temperature_that_differs_is_refused_before_the_model_loads(tmp_path):
+    message = r"generation_kwargs sets temperature=0.5.*scaled by temperature=1.0.*Set temperature=0.5 in the config"
+    with pytest.raises(ValueError, match=message):
+        AsyncA3POConfig(output_dir=str(tmp_path), generation_kwargs={"temperature": 0.5}, **COMMON)
+    # a GRPOConfig is converted, and refused, before the trainer resolves a model id that cannot load
+    grpo = GRPOConfig(output_dir=str(tmp_path), generation_kwargs={"temperature": 0.5}, **COMMON)
+    with pytest.raises(ValueError, match=message):
+        AsyncA3POTrainer(
+            model="does-not-exist/never-loaded", reward_funcs=[length_reward], args=grpo, train_dataset=make_prompts(8)
+        )
+    agreeing = AsyncA3POConfig(
+        output_dir=str(tmp_path), temperature=0.7, generation_kwargs={"temperature": 0.7}, **COMMON
+    )
+    assert agreeing.generation_kwargs == {"temperature": 0.7}

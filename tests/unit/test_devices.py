@@ -7,7 +7,7 @@ import contextlib
 import torch
 
 from a3po_trl.devices import explicit_device, same_device, wait_for_copies
-from a3po_trl.generation import GenerationBackend, GenerationEngine
+from a3po_trl.generation import BatchProducer, GenerationBackend
 from a3po_trl.generation.weights import ParameterGather, StagingLayout, VersionedWeights
 from a3po_trl.types import ScoredBatch
 
@@ -69,7 +69,7 @@ class OneWeightBackend(GenerationBackend):
 
 
 def test_a_backend_given_cuda_without_an_index_generates_on_the_current_device(monkeypatch):
-    """The one-GPU crash: the engine's thread sets its device and makes its stream from the backend's device."""
+    """The one-GPU crash: the producer's thread sets its device and makes its stream from the backend's device."""
     fake = FakeCuda()
     fake.install(monkeypatch)
     backend = OneWeightBackend(torch.device("cuda"))  # what accelerate gives a one-process run
@@ -85,14 +85,14 @@ def test_a_backend_given_cuda_without_an_index_generates_on_the_current_device(m
             completion_lengths=torch.ones(1, dtype=torch.long),
         )
 
-    engine = GenerationEngine(
+    producer = BatchProducer(
         backend, iter([[{"prompt": "a"}]]), rollout, lambda i: 0, num_batches=1, queue_size=1, poll_interval=0.01
     )
-    engine.start(torch.nn.ParameterDict({"w": torch.nn.Parameter(torch.zeros(1))}), 0)
+    producer.start(torch.nn.ParameterDict({"w": torch.nn.Parameter(torch.zeros(1))}), 0)
     try:
-        batch, _ = engine.get()
+        batch, _ = producer.get()
     finally:
-        engine.stop()
+        producer.stop()
     assert batch.index == 0
     assert fake.set_devices == [torch.device("cuda:0")]
 

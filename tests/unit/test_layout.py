@@ -18,13 +18,12 @@ LAYERS = {
     "a3po_trl.padding": 0,
     "a3po_trl.functional": 1,
     "a3po_trl.timeline": 1,  # the span recorder both threads write to
-    "a3po_trl.timeline_plot": 7,  # draws a trace (matplotlib, imported lazily)
+    "a3po_trl.timeline.plot": 7,  # draws a trace (matplotlib, imported lazily)
     "a3po_trl.patches": 1,
     "a3po_trl.distributed": 1,
     "a3po_trl.devices": 1,
-    "a3po_trl.checkpoint_files": 1,  # what a complete checkpoint folder is, and the filesystem it needs
     "a3po_trl.generation.weights": 2,  # the weight path: gather, dtype, staging store, copies, memory plan
-    "a3po_trl.generation": 3,  # the engine, the queue, the schedule, the backend interface
+    "a3po_trl.generation": 3,  # the batch producer, the queue, the schedule, the backend interface
     "a3po_trl.generation.hf": 4,
     "a3po_trl.generation.vllm": 4,
     "a3po_trl.generation.__init__": 5,  # exports the default backend
@@ -32,8 +31,9 @@ LAYERS = {
     "a3po_trl.metrics": 7,
     "a3po_trl.losses": 7,
     "a3po_trl.validation": 7,
-    "a3po_trl.checkpoints": 8,  # atomic checkpoint writes and the resume decision; reads trainer internals
+    "a3po_trl.checkpoints": 8,  # complete folders, atomic saves, the resume decision; reads trainer internals
     "a3po_trl.builders": 8,  # the one module that reads trainer internals to build what the thread needs
+    "a3po_trl.training_batch": 8,  # the main thread's half of the batch path: a scored batch becomes a training batch
     "a3po_trl.trainer": 9,
     "a3po_trl.__init__": 10,
     "a3po_trl.cli": 10,  # the `a3po-trl grpo` command: TRL's script arguments, the trainer

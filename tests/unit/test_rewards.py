@@ -1,4 +1,4 @@
-"""Tests for a3po_trl.rewards: answer extraction and the TRL reward functions."""
+"""Tests for a3po_trl.tasks.rewards: answer extraction and the TRL reward functions."""
 
 from __future__ import annotations
 

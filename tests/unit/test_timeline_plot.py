@@ -1,10 +1,10 @@
-"""The timeline picture's layout (a3po_trl/timeline_plot.py), from hand-made traces: what the pipelined ideal counts,
+"""The timeline picture's layout (a3po_trl/timeline/plot.py), from hand-made traces: what the pipelined ideal counts,
 which versions the colour bar lists, and the phase rows."""
 
 import pytest
 
 from a3po_trl.timeline import GENERATION_LANE, TRAINING_LANE, TimelineRecorder
-from a3po_trl.timeline_plot import MIN_PHASE_FRACTION, PHASES, ROWS, layout_timeline
+from a3po_trl.timeline.plot import MIN_PHASE_FRACTION, PHASES, ROWS, layout_timeline
 
 
 def trace(generation=(), training=()):

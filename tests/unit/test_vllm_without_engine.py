@@ -15,7 +15,8 @@ import pytest
 import torch
 from tiny import make_model
 
-from a3po_trl.generation.vllm.common import VLLMSamplingSettings, base_checkpoint_tensors, row_seeds
+from a3po_trl.generation.vllm.sampling import VLLMSamplingSettings, row_seeds
+from a3po_trl.generation.vllm.weight_loading import base_checkpoint_tensors
 
 # ---- server: one random stream per row ------------------------------------------------------------------------------
 

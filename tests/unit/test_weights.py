@@ -14,8 +14,9 @@ from peft import LoraConfig, get_peft_model
 from tiny import make_model
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from a3po_trl.generation.vllm.common import VLLMSamplingSettings, host_staging_layout, write_lora_adapter
-from a3po_trl.generation.vllm.setup import engine_dtype
+from a3po_trl.generation.vllm.make_backend import engine_dtype
+from a3po_trl.generation.vllm.sampling import VLLMSamplingSettings
+from a3po_trl.generation.vllm.weight_loading import host_staging_layout, write_lora_adapter
 from a3po_trl.generation.weights import (
     ParameterGather,
     StagingLayout,

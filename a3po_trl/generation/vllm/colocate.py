@@ -34,15 +34,12 @@ from ..backend import GenerationBackend
 from ..weights import VersionedWeights, as_parameter_gather, vllm_weight_name
 from ..weights.copies import generator_copy, unsharded_copy
 from ..weights.names import without_checkpoint_wrapper
-from .common import (
-    VLLMSamplingSettings,
+from .sampling import VLLMSamplingSettings, completions_from_outputs, row_seeds, sampling_params
+from .weight_loading import (
     active_lora,
-    completions_from_outputs,
     host_staging_layout,
     lora_slot_rank,
     merged_checkpoint_tensors,
-    row_seeds,
-    sampling_params,
     unsupported_lora_reason,
     write_lora_adapter,
 )
@@ -98,7 +95,7 @@ class VLLMColocateBackend(GenerationBackend):
                 gather = as_parameter_gather(gather)
                 if gather.sharded:
                     # FSDP2 / ZeRO-3: an unsharded copy rebuilt from the config, each tensor gathered in turn (a
-                    # collective: this runs in the main thread of every process together, in _start_engine)
+                    # collective: this runs in the main thread of every process together, in _start_producer)
                     self._merge_copy = unsharded_copy(module, gather, device, dtype).eval()
                 else:
                     self._merge_copy = generator_copy(module, device, dtype, share_frozen=False).eval()

@@ -45,16 +45,9 @@ from ...devices import explicit_device
 from ...types import GenerationStopped
 from ..backend import GenerationBackend
 from ..weights import VersionedWeights, as_parameter_gather, vllm_weight_name
-from .common import (
-    VLLMSamplingSettings,
-    active_lora,
-    completions_from_token_logprobs,
-    host_staging_layout,
-    row_seeds,
-    unsupported_lora_reason,
-    write_lora_adapter,
-)
+from .sampling import VLLMSamplingSettings, completions_from_token_logprobs, row_seeds
 from .shared_server import SharedServerVersions
+from .weight_loading import active_lora, host_staging_layout, unsupported_lora_reason, write_lora_adapter
 
 logger = logging.getLogger(__name__)
 

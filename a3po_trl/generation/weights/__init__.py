@@ -4,10 +4,11 @@
   every process together;
 - :mod:`.precision`: which dtype the generator holds its weights in (mixed precision, vLLM's ``auto``);
 - :mod:`.store`: :class:`VersionedWeights`, the published versions in staging buffers, and their layout;
-- :mod:`.unsharded`: the generator's whole copy of a sharded model, built on the meta device and filled one gathered
-  tensor at a time;
+- :mod:`.copies`: the generator's own copy of the weights (a sharded model's whole copy is built on the meta device
+  and filled one gathered tensor at a time);
 - :mod:`.memory_plan`: what the generator adds to each process's memory, estimated before anything is built;
 - :mod:`.version_checkpoint`: the versions kept for a reproducible resume, in a checkpoint;
+- :mod:`.names`: parameter names across wrappers (activation checkpointing, PEFT);
 - :func:`vllm_weight_name`: a training parameter's name as a Hugging Face checkpoint (and vLLM) names it.
 """
 

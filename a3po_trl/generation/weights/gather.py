@@ -1,4 +1,4 @@
-"""How the main thread reads the training module's weights whole, for the generator.
+"""How the main thread reads the training module's weights whole: for the generator, and for a saved model.
 
 Under DeepSpeed ZeRO-3 and FSDP2 every process holds a shard of each parameter, and making one whole is a collective:
 every process must take part in every gather, in the same order, or the run deadlocks. A backend never decides that
@@ -71,3 +71,11 @@ def as_parameter_gather(gather) -> ParameterGather:
     if isinstance(gather, ParameterGather):
         return gather
     return ContextGather(gather)
+
+
+def whole_state_dict(gather: ParameterGather, named_params: Iterable[tuple[str, torch.Tensor]]) -> dict:
+    """``{name: whole tensor, on CPU}`` of ``named_params``, read through ``gather`` (on every process together when
+    the parameters are sharded), under the module's own names: PEFT picks an adapter's tensors by the model's module
+    names, activation-checkpointing wrappers included, so a saved adapter's files are renamed after writing
+    (:func:`~a3po_trl.generation.weights.names.strip_checkpoint_wrapper_from_files`)."""
+    return {name: t.to("cpu", copy=True) for name, t in gather.full_tensors(named_params)}

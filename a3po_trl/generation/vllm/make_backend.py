@@ -38,7 +38,8 @@ from ...patches import peft_base_model
 from ..weights import as_parameter_gather, checkpoint_dtype, generator_dtype, vllm_weight_name
 from ..weights.precision import bf16_supported, vllm_dtype_name
 from ..weights.store import staged_dtype
-from .common import VLLMSamplingSettings, base_checkpoint_tensors, is_base_weight
+from .sampling import VLLMSamplingSettings
+from .weight_loading import base_checkpoint_tensors, is_base_weight
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def base_model_path(module: torch.nn.Module, gather=None, dtype: torch.dtype | N
     """Where the engine loads the base model of the training ``module`` from: its local directory or hub id, else a
     copy saved now. ``gather``: the trainer's :class:`~a3po_trl.generation.weights.ParameterGather`; when the
     parameters are sharded (FSDP2, ZeRO-3) the copy is written from whole tensors gathered one at a time, which is a
-    collective: called in the main thread of every process together (the backends are built in ``_start_engine``),
+    collective: called in the main thread of every process together (the backends are built in ``_start_producer``),
     and every process gathers every tensor whatever its own checks found: the processes first agree whether any of
     them needs the copy (a checkpoint directory may exist on one machine and not on another)."""
     base = peft_base_model(module)
@@ -198,7 +199,7 @@ def build_vllm_backend(
         # One engine per training process, as TRL's colocate mode runs them: the engine joins the process group the
         # launcher set up (RANK / LOCAL_RANK / WORLD_SIZE), takes the process's own device, and builds its parallel
         # groups over it while it starts (collectives in the main thread, every process together: backends are
-        # built in _start_engine, which every process reaches at the same step). Each group holds this process
+        # built in _start_producer, which every process reaches at the same step). Each group holds this process
         # alone (tensor, pipeline and data parallel size 1), so generating never communicates with another process.
         engine_kwargs["distributed_executor_backend"] = "external_launcher"
     model_path = base_model_path(module, gather, dtype)

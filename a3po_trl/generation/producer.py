@@ -1,6 +1,7 @@
-"""The generation engine: the versioned sample queue and the admission-controlled producer loop, in a thread.
+"""The batch producer: the admission-controlled loop that generates and scores batches into the versioned sample
+queue, in a background thread or inline.
 
-The engine knows nothing of which backend generates (:mod:`a3po_trl.generation.backend`): it asks the backend to load
+The producer knows nothing of which backend generates (:mod:`a3po_trl.generation.backend`): it asks the backend to load
 the newest published weights (or, reproducibly, the assigned ones) between batches and tags the batch with that
 version; a multi-turn rollout may load newer weights between turns, and records the version of every token. It never
 runs a collective: everything it does is local to its process.
@@ -9,6 +10,7 @@ runs a collective: everything it does is local to its process.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,8 +24,10 @@ from ..types import GenerationStopped, ScoredBatch
 from .backend import GenerationBackend
 from .queue import VersionedSampleQueue
 
+logger = logging.getLogger(__name__)
 
-class GenerationEngine:
+
+class BatchProducer:
     """Admission-controlled producer of scored batches, in a background thread or inline.
 
     Batch ``i`` (counted from the start of this run) may be generated only with weights of version at least
@@ -48,7 +52,7 @@ class GenerationEngine:
             versions a later batch may still need) instead of the newest one: which weights generate a batch then no
             longer depends on timing.
         poll_interval: seconds between health checks while waiting.
-        timeline: where the engine records its spans (each batch, its waits and weight loads, and the trainer's
+        timeline: where the producer records its spans (each batch, its waits and weight loads, and the trainer's
             wait for it); backends and rollouts record their parts inside the batch's span. ``None``: not recorded.
     """
 
@@ -179,6 +183,25 @@ class GenerationEngine:
             thread.join(timeout)
             return not thread.is_alive()
         return True
+
+    def shut_down(self, timeout: float = 30.0) -> BaseException | None:
+        """:meth:`stop`, for good: returns the thread's exception that no :meth:`get` re-raised (it failed after the
+        trainer's last batch), if any. A thread that does not end within ``timeout`` (left behind: a daemon) and an
+        exception raised while it was being stopped (most likely by the stop itself) are logged instead."""
+        if not self.stop(timeout=timeout):
+            logger.warning(
+                "The a3po generation thread did not stop within %s s (stuck in a reward function or generate?); "
+                "it is a daemon thread and is left behind, and this trainer refuses to train again while it runs.",
+                timeout,
+            )
+        unreported = self.unreported_error()
+        if unreported is None:
+            return None
+        error, after_stop = unreported
+        if after_stop:
+            logger.warning("The a3po generation thread raised while it was being stopped: %r", error)
+            return None
+        return error
 
     @property
     def thread(self) -> threading.Thread | None:

@@ -1,4 +1,4 @@
-"""Tests for a3po_trl.tasks: the offline problem generator, the splits and loading GSM8K from local files."""
+"""Tests for a3po_trl.tasks.problems: the offline problem generator, the splits and loading GSM8K from local files."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The generator's prompts are the ones GRPOTrainer's dataloader gives, map-style and streamed (a3po_trl.prompts)."""
+"""The generator's prompts are the ones GRPOTrainer's dataloader gives, map-style and streamed
+(a3po_trl.rollout.prompt_batches)."""
 
 import pytest
 from datasets import Dataset, IterableDataset
@@ -61,6 +62,6 @@ def test_training_on_an_iterable_dataset(tokenizer, tmp_path):
     trainer = make_trainer(tokenizer, tmp_path, dataset=_stream(make_prompts(6)), max_steps=8, max_staleness=1)
     assert trainer.args.accelerator_config.dispatch_batches is False  # as GRPOTrainer sets it for streams
     trainer.train()
-    engine = trainer.last_generation_engine
-    assert engine.produced == engine.consumed == 8
+    producer = trainer.last_batch_producer
+    assert producer.produced == producer.consumed == 8
     assert max(logged(trainer, "a3po/staleness_max")) <= 1

@@ -19,7 +19,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..generation.backend import GenerationBackend
-from .multi_turn import NO_VERSION, Trajectories, turn_seed
+from .seeds import turn_seed
+from .trajectories import NO_VERSION, Trajectories
 
 _REQUIRED_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 _active = threading.local()
@@ -95,7 +96,7 @@ def run_rollout_func(
     trajectories = Trajectories(
         completion_ids=completion_ids,
         logps=[[lp if flag else 0.0 for lp, flag in zip(row, f)] for row, f in zip(logps, flags, strict=True)],
-        versions=[[version if flag else NO_VERSION for flag in row] for row in flags],
+        token_versions=[[version if flag else NO_VERSION for flag in row] for row in flags],
         completions=decode(completion_ids, prompt_ids, prompts),
         tool_mask=[[int(flag) for flag in row] for row in env_mask] if env_mask is not None else None,
         timings=timings,

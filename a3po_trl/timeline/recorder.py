@@ -5,13 +5,13 @@ for the staleness bound (or for room in the queue), or weight publication stalli
 answer it on average; the timeline shows it step by step. Both threads record spans ``(lane, name, start, end,
 args)`` into one :class:`TimelineRecorder`, on ``time.perf_counter`` (one clock for the whole process), and the
 recorder writes them as a Chrome trace (``traceEvents``, opened by Perfetto or ``chrome://tracing``), one file per
-process. :mod:`a3po_trl.timeline_plot` draws the last steps of it as a picture.
+process. :mod:`a3po_trl.timeline.plot` draws the last steps of it as a picture.
 
-Spans are recorded where the code already measures its times (the engine's waits and weight loads, the backend's
-generation and behavior log-probs, the rollout's rewards and tool calls, the trainer's recompute forward and weight
-publication), so nothing is timed twice. Code deep inside a rollout does not hold the recorder: the engine opens a
-:func:`batch_span` around each batch, and :func:`record_in_batch_span` records on the calling thread's open batch span
-(a no-op outside one), so backends and rollouts stay unaware of the recorder.
+Spans are recorded where the code already measures its times (the batch producer's waits and weight loads, the
+backend's generation and behavior log-probs, the rollout's rewards and tool calls, the trainer's recompute forward and
+weight publication), so nothing is timed twice. Code deep inside a rollout does not hold the recorder: the producer
+opens a :func:`batch_span` around each batch, and :func:`record_in_batch_span` records on the calling thread's open
+batch span (a no-op outside one), so backends and rollouts stay unaware of the recorder.
 
 Memory is bounded: the recorder keeps the newest ``max_spans`` spans (a deque), and counts the ones it dropped.
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import logging
 import os
 import threading
 import time
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from transformers import TrainerCallback
+
+logger = logging.getLogger(__name__)
 
 GENERATION_LANE = "generation"
 """The lane of the generation thread (or of inline generation, ``async_generation=False``)."""
@@ -181,6 +184,41 @@ def new_trace_path(output_dir: str, process_index: int) -> str:
     return trace_path(output_dir, process_index, run)
 
 
+class TraceWriter:
+    """Writes one process's timeline to its trace file (at every checkpoint and when ``train()`` ends), best effort:
+    the first of ``output_dir/timeline/trace-rank{k}.json``, ``trace-rank{k}-run2.json``, ... that did not exist when
+    it first wrote there, so a resumed run keeps the earlier run's trace. A failure (a full disk, no permission) is a
+    warning, once per distinct failure, never an error: the run and its checkpoints matter more than its trace."""
+
+    def __init__(self, recorder: TimelineRecorder):
+        self.recorder = recorder
+        self._file: tuple[str, str] | None = None
+        """(output_dir, the trace file this writer writes in it)."""
+        self._warned: set[str] = set()
+
+    def write(self, output_dir: str, process_index: int) -> str | None:
+        """Write the recorder's spans (when it is enabled); returns the path, or None."""
+        if not self.recorder.enabled:
+            return None
+        path = None
+        try:
+            if self._file is None or self._file[0] != output_dir:
+                self._file = (output_dir, new_trace_path(output_dir, process_index))
+            path = self._file[1]
+            return self.recorder.write_chrome_trace(path, process_index)
+        except Exception as error:  # noqa: BLE001 - best effort, reported
+            message = f"{type(error).__name__}: {error}"
+            if message not in self._warned:  # once per distinct failure, not at every checkpoint
+                self._warned.add(message)
+                logger.warning(
+                    "Could not write the timeline trace %s (%s); training goes on without it. Make "
+                    "output_dir/timeline writable, or set timeline=False.",
+                    path or os.path.join(output_dir, "timeline"),
+                    message,
+                )
+            return None
+
+
 # ---- the open batch span of the calling thread ---------------------------------------------------------------------
 _open = threading.local()
 
@@ -202,7 +240,7 @@ def batch_span(recorder: TimelineRecorder, lane: str, name: str = BATCH_SPAN, **
 
 def record_in_batch_span(name: str, start: float, end: float, **args) -> None:
     """Record ``[start, end]`` as a part of the calling thread's open batch span (see :func:`batch_span`); a no-op
-    when none is open (a backend used outside the engine)."""
+    when none is open (a backend used outside the batch producer)."""
     context = getattr(_open, "context", None)
     if context is not None:
         recorder, lane, batch_args = context

@@ -28,7 +28,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .timeline import BATCH_SPAN, GENERATION_LANE, LANES, STEP_SPAN, TRAINING_LANE
+from .recorder import BATCH_SPAN, GENERATION_LANE, LANES, STEP_SPAN, TRAINING_LANE
 
 WAITS = {"wait for staleness bound", "wait for queue room", "wait for batch"}
 """Spans that are idle time of their thread."""

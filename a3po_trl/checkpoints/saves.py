@@ -1,4 +1,4 @@
-"""Checkpoints that survive an interruption: written whole or not at all, and resumed from the newest complete one.
+"""Checkpoint saves that survive an interruption: written whole or not at all, the newest complete one resumed.
 
 transformers writes ``checkpoint-N`` in place, file after file (model, optimizer, scheduler, RNG states, trainer
 state), so a Ctrl-C or a SIGTERM during the write leaves a folder with the final name and half its files, and
@@ -7,7 +7,7 @@ state), so a Ctrl-C or a SIGTERM during the write leaves a folder with the final
 - :func:`save_checkpoint_atomically` lets transformers (and the trainer's own additions, such as the generator's kept
   versions) write into ``tmp-checkpoint-N/checkpoint-N``; each process flushes the files it sees to disk; once every
   process has written its part, the saving process writes the manifest (every file and its size,
-  :mod:`a3po_trl.checkpoint_files`) and renames the folder to ``checkpoint-N``. An existing ``checkpoint-N`` (the same
+  :mod:`a3po_trl.checkpoints.files`) and renames the folder to ``checkpoint-N``. An existing ``checkpoint-N`` (the same
   step saved again) is moved aside only then, so some complete copy of step N exists at every moment. Rotation
   (``save_total_limit``) then deletes by step, incomplete folders first, each renamed out of the way before it is
   deleted. ``get_last_checkpoint``'s pattern ignores ``tmp-checkpoint-*``.
@@ -33,7 +33,7 @@ from collections.abc import Callable
 from accelerate.utils import broadcast_object_list, gather_object
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
-from .checkpoint_files import (
+from .files import (
     STAGING_PREFIX,
     TRAINER_STATE_NAME,
     checkpoint_filesystem_problem,

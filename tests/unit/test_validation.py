@@ -1,0 +1,92 @@
+"""What the trainer refuses before any model loads (a3po_trl/validation.py), each with the field and the fix:
+GRPOTrainer options it cannot honour, vLLM settings, truncated sampling the behavior log-probs cannot weight, datasets
+without prompts; and that the trainer runs these checks before it resolves a model."""
+
+import pytest
+from datasets import Dataset
+from helpers import COMMON
+from tiny import length_reward, make_prompts
+
+from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
+from a3po_trl.validation import check_supported, check_train_dataset
+
+
+def _config(tmp_path, **overrides):
+    return AsyncA3POConfig(output_dir=str(tmp_path), **{**COMMON, **overrides})
+
+
+BAD_OPTIONS = [
+    ({"use_transformers_continuous_batching": True}, "use_transformers_continuous_batching=False"),
+]
+
+VLLM = {"use_vllm": True}
+BAD_VLLM_OPTIONS = [
+    ({**VLLM, "vllm_mode": "remote"}, "vllm_mode='remote' must be one of"),
+    ({**VLLM, "vllm_enable_sleep_mode": True}, "vllm_enable_sleep_mode=True.*vllm_gpu_memory_utilization"),
+    ({**VLLM, "vllm_structured_outputs_regex": "[0-9]+"}, "vllm_structured_outputs_regex.*masked distribution"),
+    ({**VLLM, "vllm_tensor_parallel_size": 2}, "vllm_tensor_parallel_size=2.*vllm_mode='server'"),
+    ({**VLLM, "vllm_importance_sampling_correction": False}, "vllm_importance_sampling_correction=False.*cannot"),
+    ({**VLLM, "vllm_importance_sampling_mode": "token_mask"}, "vllm_importance_sampling_mode=.*behavior_weight_cap"),
+    ({**VLLM, "vllm_importance_sampling_clip_max": 2.0}, "vllm_importance_sampling_clip_max=2.0.*behavior_weight_cap"),
+    ({**VLLM, "behavior_logps_source": "forward"}, "behavior_logps_source='forward'.*'generation'"),
+    # vLLM reports only the truncated (processed) log-probs: an on-policy ratio would be the kept mass, not 1
+    ({**VLLM, "top_p": 0.7}, r"top_p=0.7 \(in the config\).*Set top_p=1.0, or generate with use_vllm=False"),
+    ({**VLLM, "top_k": 5}, r"top_k=5 .*Set top_k=0"),
+    ({**VLLM, "min_p": 0.1}, r"min_p=0.1 .*Set min_p=0.0"),
+    ({**VLLM, "repetition_penalty": 1.1}, r"repetition_penalty=1.1 .*Set repetition_penalty=1.0"),
+    ({**VLLM, "generation_kwargs": {"presence_penalty": 0.5}}, r"presence_penalty=0.5 \(in generation_kwargs\)"),
+    # the untruncated log-probs of a forward cannot weight samples drawn from a truncated distribution
+    ({"behavior_logps_source": "forward", "top_p": 0.9}, r"top_p=0.9.*behavior_logps_source='generation'"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_VLLM_OPTIONS)
+def test_vllm_settings_that_cannot_be_honoured_name_the_field(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        check_supported(_config(tmp_path, **overrides), {})
+
+
+@pytest.mark.parametrize("overrides, message", BAD_OPTIONS)
+def test_unsupported_options_are_rejected(tmp_path, overrides, message):
+    with pytest.raises(NotImplementedError, match=message):
+        check_supported(_config(tmp_path, **overrides), {})
+
+
+def test_rollout_func_with_tools_is_rejected(tmp_path):
+    with pytest.raises(NotImplementedError, match="rollout_func together with tools"):
+        check_supported(_config(tmp_path), {"rollout_func": length_reward, "tools": [length_reward]})
+
+
+@pytest.mark.parametrize(
+    "dataset, message",
+    [
+        (Dataset.from_dict({"question": ["a", "b"]}), "no 'prompt' column"),
+        (Dataset.from_dict({"prompt": []}), "empty"),
+    ],
+)
+def test_bad_datasets_are_rejected(dataset, message):
+    with pytest.raises(ValueError, match=message):
+        check_train_dataset(dataset)
+
+
+def test_an_environment_may_supply_the_prompts():
+    check_train_dataset(Dataset.from_dict({"question": ["a"]}), environment_owns_prompts=True)
+
+
+@pytest.mark.parametrize(
+    "overrides, kwargs, error, message",
+    [
+        ({**VLLM, "vllm_mode": "remote"}, {}, ValueError, "vllm_mode='remote' must be one of"),
+        ({}, {"rollout_func": length_reward, "tools": [length_reward]}, NotImplementedError, "rollout_func together"),
+        ({}, {"train_dataset": Dataset.from_dict({"prompt": []})}, ValueError, "empty"),
+    ],
+)
+def test_the_trainer_refuses_before_it_resolves_a_model(tmp_path, overrides, kwargs, error, message):
+    kwargs = {"train_dataset": make_prompts(8), **kwargs}
+    with pytest.raises(error, match=message):
+        AsyncA3POTrainer(
+            model="does-not-exist/never-loaded",
+            reward_funcs=[length_reward],
+            args=_config(tmp_path, **overrides),
+            **kwargs,
+        )
