@@ -239,6 +239,15 @@ class DecoupledLossMixin:
         if method.anchor == "current" and method.interpolates:
             compared = mask.bool()
             if "recompute_version" in inputs:  # recomputed with the weights of the batch's first optimizer step only
+                # against recompute's anchor at every micro-step, with how many versions the trained weights are
+                # past it (0 on a batch's first step): where A-3PO's interpolation holds within a batch
+                age = (self.state.global_step - inputs["recompute_version"]).float()
+                self._log(
+                    mode,
+                    approximation_error_metrics(
+                        self.accelerator, loglinear_logps, proximal_logps, sampling_logps, compared, age, "anchor_"
+                    ),
+                )
                 compared = compared & (inputs["recompute_version"] == self.state.global_step).unsqueeze(1)
             errors = approximation_error_metrics(
                 self.accelerator, loglinear_logps, proximal_logps, sampling_logps, compared

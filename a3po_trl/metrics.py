@@ -258,16 +258,27 @@ def approximation_error_metrics(
     proximal_logps: torch.Tensor,
     behavior_logps: torch.Tensor,
     compared: torch.Tensor,
+    anchor_age: torch.Tensor | None = None,
+    prefix: str = "",
 ) -> dict[str, float]:
-    """Error of the log-linear estimate against the proximal log-probs of the weights this micro-step trains, over the
-    ``compared`` tokens of every process (one sum-reduce): ``a3po/approx_{logp,rho}_{abs,rel}_error``
-    (:func:`~a3po_trl.functional.proximal_approximation_error`), empty when no process compared a token."""
+    """Error of the log-linear estimate against the proximal log-probs ``proximal_logps``, over the ``compared``
+    tokens of every process (one sum-reduce): ``a3po/{prefix}approx_{logp,rho}_{abs,rel}_error``
+    (:func:`~a3po_trl.functional.proximal_approximation_error`), empty when no process compared a token. With
+    ``anchor_age`` (``(B,)``: versions between the weights ``proximal_logps`` were computed with and the weights being
+    trained), also ``a3po/{prefix}age``, its mean over the compared tokens."""
     errors = proximal_approximation_error(loglinear_logps.detach(), proximal_logps, behavior_logps, compared)
-    count = (compared & torch.isfinite(behavior_logps)).sum().float()
-    totals = accelerator.reduce(torch.stack([*(v * count for v in errors.values()), count]), reduction="sum")
+    counted = compared & torch.isfinite(behavior_logps)
+    count = counted.sum().float()
+    values = [*(v * count for v in errors.values())]
+    if anchor_age is not None:
+        values.append((anchor_age.unsqueeze(1).to(counted.device) * counted).sum().float())
+    totals = accelerator.reduce(torch.stack([*values, count]), reduction="sum")
     if totals[-1] == 0:
         return {}
-    return {f"a3po/approx_{name}": value for name, value in zip(errors, (totals[:-1] / totals[-1]).tolist())}
+    names = [f"a3po/{prefix}approx_{name}" for name in errors] + (
+        [f"a3po/{prefix}age"] if anchor_age is not None else []
+    )
+    return dict(zip(names, (totals[:-1] / totals[-1]).tolist()))
 
 
 def tool_metrics(

@@ -14,6 +14,10 @@ import re
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCHMARKS = os.path.join(ROOT, "benchmarks")
 SMOKE_TESTS = {
+    "approximation": (
+        "tests/end_to_end/test_approximation.py",
+        "test_quick_approximation_run_records_the_error_by_anchor_age",
+    ),
     "backends": ("tests/integration/test_vllm.py", "test_backends_benchmark_reports_every_field"),
     "compare": ("tests/end_to_end/test_benchmark.py", "test_quick_benchmark_writes_a_complete_report"),
     "lora_memory": ("tests/end_to_end/test_benchmark.py", "test_lora_memory_report_on_the_tiny_model"),

@@ -50,7 +50,8 @@ def test_bias_corrected_kl_drops_the_tokens_the_cap_drops(tokenizer, tmp_path):
 
 def test_approximation_error_compares_the_estimate_with_a_recompute_of_the_same_version(tokenizer, tmp_path):
     """A batch trained over two optimizer steps is recomputed once, with the first step's weights: the error of the
-    log-linear estimate is measured on the micro-steps trained with those weights only."""
+    log-linear estimate against the weights being trained is measured on the micro-steps trained with those weights
+    only; against recompute's anchor (``a3po/anchor_*``) on every micro-step, with its age."""
     trainer = make_trainer(
         tokenizer, tmp_path, prox_logp_method="metrics", steps_per_generation=2, max_staleness=1, max_steps=6
     )
@@ -59,6 +60,11 @@ def test_approximation_error_compares_the_estimate_with_a_recompute_of_the_same_
     assert trainer.last_batch_producer.consumed == 3
     assert len(errors) == 3  # one per batch: its first micro-step; the second trains with newer weights
     assert all(e >= 0 for e in errors)
+    # against recompute's anchor at every micro-step, with the versions the trained weights are past it
+    assert logged(trainer, "a3po/anchor_age") == [0.0, 1.0] * 3
+    anchor_errors = logged(trainer, "a3po/anchor_approx_logp_abs_error")
+    assert len(anchor_errors) == 6 and anchor_errors[0::2] == errors  # a batch's first step: the same comparison
+    assert all(e >= 0 for e in anchor_errors)
 
 
 def _taken_micro_batches(trainer):
