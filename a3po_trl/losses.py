@@ -11,7 +11,8 @@ the weights the batch's first optimizer step trains. When no optimizer step fall
 and its last (one optimizer step per generation batch, or several batches per step), those are the weights every
 micro-step of the batch trains, and the training forward's own log-probs, detached, are the anchor: no other forward
 runs. Otherwise (``steps_per_generation > gradient_accumulation_steps``, ``num_iterations > 1``) one no-grad forward
-over the whole batch computes them when the trainer takes it (:meth:`DecoupledLossMixin.attach_proximal_logps`).
+over the whole generation batch computes them at its first micro-step, before any of its optimizer steps
+(:meth:`DecoupledLossMixin.attach_proximal_logps`), for all its micro-batches at once.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from .functional import (
     kl_to_reference,
     token_staleness,
 )
-from .metrics import approximation_error_metrics, behavior_drift_metrics, behavior_mismatch_metrics, loss_metrics
+from .metrics.loss import approximation_error_metrics, behavior_drift_metrics, behavior_mismatch_metrics, loss_metrics
 from .timeline import TRAINING_LANE
 
 #: Loss types whose scalar GRPOTrainer divides by the accumulation steps after computing it (its ``policy_loss`` is
@@ -73,38 +74,55 @@ def _sync_if_cuda(device: torch.device) -> None:
 
 
 class DecoupledLossMixin:
-    """``compute_loss`` of :class:`~a3po_trl.AsyncA3POTrainer`, and the proximal log-probs a batch needs when it is
-    taken (:meth:`attach_proximal_logps`), mixed into a GRPOTrainer subclass.
+    """``compute_loss`` of :class:`~a3po_trl.AsyncA3POTrainer`, with the proximal log-probs a generation batch needs
+    (:meth:`attach_proximal_logps`, run at its first micro-step), mixed into a GRPOTrainer subclass.
 
     What it reads of the trainer is GRPOTrainer's own state (``args``, ``state``, ``accelerator``, ``_metrics``, the
     loss settings it derives from the config, the entropy controller's attributes,
     ``_get_per_token_logps_and_entropies`` and the mask helpers) and its ``timeline``, plus what a batch carries
-    (``behavior_logps``, ``token_versions``, and where they apply ``sampling_logps``, ``recomputed_proximal_logps``,
-    ``recompute_version``, ``ref_per_token_logps``). Its own state is the seconds spent on proximal log-probs since
-    the last log (``a3po/prox_time``).
+    (``behavior_logps``, ``token_versions``, ``versions_training_batch``, ``batch_index``, and where they apply
+    ``sampling_logps``, ``ref_per_token_logps``) and the micro-batches of the generation batch being trained
+    (GRPOTrainer's ``_buffered_inputs``), to which it adds ``recomputed_proximal_logps`` and ``recompute_version``.
+    Its own state is the seconds spent on proximal log-probs since the last log (``a3po/prox_time``).
     """
 
     _proximal_seconds: float = 0.0
 
-    def attach_proximal_logps(
-        self, batch: dict, input_ids, attention_mask, batch_index: int, versions_training_batch: int
-    ) -> None:
-        """When the trainer takes a batch: add ``recomputed_proximal_logps`` (one no-grad forward of the current
-        weights over the whole batch, in micro-batches) and ``recompute_version`` to ``batch``, if the method needs
-        them there (:func:`needs_recompute_forward`); otherwise nothing, and the loss anchors as the method says."""
+    def _attach_proximal_logps_if_due(self, inputs: dict) -> None:
+        """At the first micro-step of a generation batch whose method anchors at the weights of its first optimizer
+        step while later micro-steps train newer ones (:func:`needs_recompute_forward`): compute those log-probs for
+        every micro-batch of the generation batch now, before any of its optimizer steps. Nothing otherwise, or when
+        this micro-batch has them already (a later micro-step, or a later iteration over the batch)."""
+        if "recomputed_proximal_logps" in inputs or "versions_training_batch" not in inputs:
+            return
+        if not needs_recompute_forward(self.args.prox_logp_method, int(inputs["versions_training_batch"])):
+            return
+        buffered = getattr(self, "_buffered_inputs", None) or []
+        micro_batches = buffered if any(batch is inputs for batch in buffered) else [inputs]
+        self.attach_proximal_logps(micro_batches, int(inputs["batch_index"]), int(inputs["versions_training_batch"]))
+
+    def attach_proximal_logps(self, micro_batches: list[dict], batch_index: int, versions_training_batch: int) -> None:
+        """Add ``recomputed_proximal_logps`` (one no-grad forward of the current weights) and ``recompute_version``
+        to each of ``micro_batches``, the generation batch ``batch_index``, if the method needs them
+        (:func:`needs_recompute_forward`); otherwise nothing, and the loss anchors as the method says."""
         if not needs_recompute_forward(self.args.prox_logp_method, versions_training_batch):
             return
         device = self.accelerator.device
         start = time.perf_counter()
+        # the micro-batches were split from one padded batch: one call over their rows, in micro-batches
+        input_ids = torch.cat([torch.cat([b["prompt_ids"], b["completion_ids"]], dim=1) for b in micro_batches])
+        attention_mask = torch.cat([torch.cat([b["prompt_mask"], b["completion_mask"]], dim=1) for b in micro_batches])
         with torch.no_grad():
-            batch["recomputed_proximal_logps"] = self._get_per_token_logps_and_entropies(
+            logps = self._get_per_token_logps_and_entropies(
                 self.model,
                 input_ids,
                 attention_mask,
-                batch["completion_ids"].size(1),
+                micro_batches[0]["completion_ids"].size(1),
                 batch_size=self.args.per_device_train_batch_size,
             )[0]
-        batch["recompute_version"] = torch.full((input_ids.size(0),), self.state.global_step, device=device)
+        for batch, batch_logps in zip(micro_batches, logps.split([b["prompt_ids"].size(0) for b in micro_batches])):
+            batch["recomputed_proximal_logps"] = batch_logps
+            batch["recompute_version"] = torch.full((batch_logps.size(0),), self.state.global_step, device=device)
         _sync_if_cuda(device)
         end = time.perf_counter()
         self._proximal_seconds += end - start
@@ -115,6 +133,8 @@ class DecoupledLossMixin:
             raise ValueError("The AsyncA3POTrainer does not support returning outputs")
         if "behavior_logps" not in inputs:  # evaluation batches come from GRPOTrainer's synchronous path
             return self._compute_loss(model, inputs)
+        if self.model.training:
+            self._attach_proximal_logps_if_due(inputs)
         return self._compute_a3po_loss(model, inputs)
 
     def _proximal_logps(self, method: ProximalMethod, inputs, current_logps, staleness):

@@ -2,15 +2,17 @@
 
 What the generation thread cannot do is done here, once per generation batch, when the trainer takes it: everything
 that needs every process (the rewards of reward models partitioned by ZeRO-3 or sharded by FSDP2, the group
-advantages over every process's rewards, the generation batch's token count) or the training weights (the proximal
-log-probs of a recompute forward, the reference log-probs). :func:`make_training_batch` runs the stages in order, each
-a function of its own:
+advantages over every process's rewards, the generation batch's token count) or the training weights (the reference
+log-probs). The proximal log-probs of a recompute forward are left to the loss, which computes them at the generation
+batch's first micro-step (:mod:`a3po_trl.losses`, which owns the method): this file only tags the batch with what the
+loss needs to decide (``versions_training_batch``, ``batch_index``). :func:`make_training_batch` runs the stages in
+order, each a function of its own:
 
 1. :func:`on_device`: the batch's tensors on the training device;
 2. :func:`score_deferred_rewards`: the reward models left to the main thread;
 3. :func:`advantages_over_processes`: GRPOTrainer's group advantages from every process's rewards, this process's rows;
 4. :func:`count_loss_tokens`: the generation batch's loss tokens over every process (``num_items_in_batch``);
-5. the proximal log-probs, where the method needs a forward for them (:mod:`a3po_trl.losses`, which owns the method);
+5. the batch's schedule tags, for the loss's proximal log-probs;
 6. :func:`reference_logps`: the reference model's log-probs (``beta != 0``);
 7. :func:`log_batch`: GRPOTrainer's batch metrics, the generator's timings, the completions table.
 
@@ -26,7 +28,7 @@ from trl.trainer.utils import use_adapter
 from .builders import deferred_reward_columns
 from .functional import group_advantages
 from .generation.schedule import PlannedBatch
-from .metrics import batch_metrics, tool_metrics
+from .metrics.batch import batch_metrics, tool_metrics
 from .rollout.scoring import score_with_reward_model, warn_about_unscorable_rows
 from .timeline import TRAINING_LANE
 from .types import ScoredBatch
@@ -37,8 +39,8 @@ def make_training_batch(
 ) -> dict:
     """The training batch of ``scored`` (this process's rows), as ``_prepare_inputs`` buffers and splits it:
     ``prompt_ids``, ``prompt_mask``, ``completion_ids``, ``completion_mask``, ``behavior_logps``,
-    ``token_versions``, ``advantages``, ``num_items_in_batch`` and where they apply ``sampling_logps``, ``tool_mask``,
-    ``recomputed_proximal_logps`` with ``recompute_version``, ``ref_per_token_logps``.
+    ``token_versions``, ``advantages``, ``num_items_in_batch``, ``versions_training_batch`` and ``batch_index`` (0-dim:
+    copied into every micro-batch), and where they apply ``sampling_logps``, ``tool_mask``, ``ref_per_token_logps``.
 
     ``waited``: the seconds the trainer waited for it; ``planned``: the micro-steps and versions that train on it (the
     batch schedule); ``weight_sync_seconds``: the seconds spent publishing weights since the last batch (logged)."""
@@ -57,7 +59,9 @@ def make_training_batch(
     input_ids = torch.cat([data["prompt_ids"], data["completion_ids"]], dim=1)
     attention_mask = torch.cat([data["prompt_mask"], data["completion_mask"]], dim=1)
     logits_to_keep = data["completion_ids"].size(1)
-    trainer.attach_proximal_logps(data, input_ids, attention_mask, scored.index, planned.span)
+    # what the loss needs to know to recompute the proximal log-probs at the batch's first micro-step (losses.py)
+    data["versions_training_batch"] = torch.tensor(planned.span, device=trainer.accelerator.device)
+    data["batch_index"] = torch.tensor(scored.index, device=trainer.accelerator.device)
     if trainer.beta != 0.0:
         with trainer.timeline.span(TRAINING_LANE, "reference forward", batch=scored.index):
             data["ref_per_token_logps"] = reference_logps(trainer, input_ids, attention_mask, logits_to_keep)

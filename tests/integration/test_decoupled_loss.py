@@ -104,9 +104,7 @@ def test_recompute_at_one_step_per_batch_trains_with_the_training_forward_and_to
         micro_batch["behavior_logps"] = micro_batch["behavior_logps"] + noise
     for reused in micro_batches:
         forward_based = dict(reused)
-        ids = torch.cat([reused["prompt_ids"], reused["completion_ids"]], dim=1)
-        mask = torch.cat([reused["prompt_mask"], reused["completion_mask"]], dim=1)
-        trainer.attach_proximal_logps(forward_based, ids, mask, 0, versions_training_batch=2)  # today's path
+        trainer.attach_proximal_logps([forward_based], 0, versions_training_batch=2)  # the separate forward
         assert "recomputed_proximal_logps" in forward_based
         results = []
         for inputs in (reused, forward_based):

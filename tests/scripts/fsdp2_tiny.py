@@ -206,8 +206,9 @@ def train_and_check(out_dir, tokenizer, lora, with_extras=False):
     }
     if with_extras:  # the recompute forward (main thread, every process together), against the training forward's
         ids, mask, keep = fixed
-        batch = {"completion_ids": ids[:, -keep:]}
-        trainer.attach_proximal_logps(batch, ids, mask, batch_index=0, versions_training_batch=2)
+        batch = {"prompt_ids": ids[:, :-keep], "completion_ids": ids[:, -keep:]}
+        batch |= {"prompt_mask": mask[:, :-keep], "completion_mask": mask[:, -keep:]}
+        trainer.attach_proximal_logps([batch], batch_index=0, versions_training_batch=2)
         recomputed = batch["recomputed_proximal_logps"].cpu()
         report["recompute_max_abs_diff"] = (recomputed - trainer_logps.by_version[MAX_STEPS]).abs().max().item()
     if lora:

@@ -28,7 +28,7 @@ LAYERS = {
     "a3po_trl.generation.vllm": 4,
     "a3po_trl.generation.__init__": 5,  # exports the default backend
     "a3po_trl.rollout": 6,
-    "a3po_trl.metrics": 7,
+    "a3po_trl.metrics": 6,  # what is logged: batch.py, loss.py (pure functions of tensors)
     "a3po_trl.losses": 7,
     "a3po_trl.validation": 7,
     "a3po_trl.checkpoints": 8,  # complete folders, atomic saves, the resume decision; reads trainer internals

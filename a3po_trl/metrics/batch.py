@@ -1,0 +1,140 @@
+"""What the trainer logs when a scored batch enters it, reduced across processes in the main thread: GRPOTrainer's
+completion and reward statistics, the generator's timings and queue state, and the tool calls. Every function takes
+tensors and the accelerator and returns a plain ``{name: float}`` dictionary; the trainer appends them to its
+``_metrics`` so that ``log`` averages them like GRPOTrainer's own."""
+
+from __future__ import annotations
+
+import torch
+from trl.trainer.utils import nanstd
+
+from ..types import ToolStats
+
+
+def batch_metrics(
+    accelerator,
+    scored,
+    *,
+    completion_lengths: torch.Tensor,
+    prompt_lengths: torch.Tensor,
+    is_truncated: torch.Tensor,
+    rewards_per_func: torch.Tensor,
+    is_std_zero: torch.Tensor,
+    waited: float,
+    queue_depth: int,
+    reward_weights: torch.Tensor,
+    reward_func_names: list[str],
+) -> tuple[dict[str, float], int]:
+    """GRPOTrainer's metrics of one generation batch plus the generator's timings.
+
+    ``completion_lengths``, ``prompt_lengths`` and ``is_truncated`` are this process's ``(B,)`` tensors;
+    ``rewards_per_func`` ``(B_total, F)`` and ``is_std_zero`` ``(B_total,)`` are already gathered. Returns
+    ``(metrics, tokens_seen)``: the prompt and completion tokens of the batch over all processes.
+    """
+    values: dict[str, float] = {}
+    lengths = accelerator.gather(completion_lengths).float()
+    truncated = accelerator.gather(is_truncated)
+    prompt_tokens = accelerator.gather(prompt_lengths).sum()
+    values["completions/mean_length"] = lengths.mean().item()
+    values["completions/min_length"] = lengths.min().item()
+    values["completions/max_length"] = lengths.max().item()
+    values["completions/clipped_ratio"] = truncated.float().mean().item()
+    terminated = lengths[~truncated.bool()]
+    if terminated.numel() == 0:
+        terminated = torch.zeros(1, device=lengths.device)
+    values["completions/mean_terminated_length"] = terminated.mean().item()
+    values["completions/min_terminated_length"] = terminated.min().item()
+    values["completions/max_terminated_length"] = terminated.max().item()
+
+    for i, name in enumerate(reward_func_names):
+        values[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_func[:, i]).item()
+        values[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, i]).item()
+    rewards = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+    rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+    values["reward"] = torch.nanmean(rewards).item()
+    values["reward_std"] = nanstd(rewards).item()
+    values["frac_reward_zero_std"] = is_std_zero.float().mean().item()
+
+    timings = scored.timings
+    local = torch.tensor(
+        [
+            timings.get("generation", 0.0),
+            timings.get("behavior_logps", 0.0),
+            timings.get("rewards", 0.0),
+            timings.get("generator_wait_for_staleness_bound", 0.0),
+            timings.get("weight_load", 0.0),
+            waited,
+            float(queue_depth),
+            float(scored.version),
+        ],
+        device=accelerator.device,
+    )
+    mean = accelerator.reduce(local, reduction="mean").tolist()
+    names = (
+        "async/generation_time",
+        "async/behavior_logps_time",
+        "async/reward_time",
+        "async/generator_wait_time",
+        "async/weight_load_time",
+        "async/trainer_wait_time",
+        "async/queue_depth",
+        "async/generator_version",
+    )
+    values.update(zip(names, mean))
+    if mean[0] > 0:
+        # completion tokens of all processes over the (mean) time one process took to generate its share
+        values["async/completion_tokens_per_second"] = lengths.sum().item() / mean[0]
+    return values, int((prompt_tokens + lengths.sum()).item())
+
+
+def tool_metrics(
+    accelerator,
+    stats: ToolStats | None,
+    versions: torch.Tensor,
+    loss_mask: torch.Tensor,
+    completion_lengths: torch.Tensor,
+) -> dict:
+    """Multi-turn statistics of one generation batch over every process (one sum-reduce and one gather), from the
+    tool-call loop's ``stats`` and the ``(B, T)`` weight ``versions`` of the tokens. Empty for batches without tools.
+
+    GRPOTrainer's ``tools/call_frequency`` (tool calls per trajectory) and ``tools/failure_frequency`` (failed calls
+    per call), and: ``tools/timeout_frequency`` (calls past ``tool_call_timeout`` per call), ``tools/turns_mean|max``
+    (model turns per trajectory), ``tools/generated_tokens_mean`` and ``tools/tool_result_tokens_mean`` (per
+    trajectory), ``a3po/multi_version_trajectories_frac`` (trajectories whose generated tokens come from more than
+    one weight version: turns generated across an update).
+    """
+    if stats is None:
+        return {}
+    device = versions.device
+    turns, tool_lengths = stats.turns.to(device), stats.tool_result_lengths.to(device)
+    generated = loss_mask.bool() & (versions >= 0)
+    newest = torch.where(generated, versions, torch.full_like(versions, -1)).max(dim=1).values
+    oldest = torch.where(generated, versions, torch.full_like(versions, 1 << 62)).min(dim=1).values
+    mixed = (generated.any(dim=1) & (newest > oldest)).sum()
+    local = torch.stack(
+        [
+            torch.tensor(stats.calls, device=device),
+            torch.tensor(stats.failures, device=device),
+            torch.tensor(stats.timeouts, device=device),
+            torch.tensor(turns.numel(), device=device),
+            turns.sum(),
+            completion_lengths.sum(),
+            tool_lengths.sum(),
+            mixed,
+        ]
+    ).float()
+    calls, failures, timeouts, rows, turn_sum, generated_sum, tool_sum, mixed_sum = accelerator.reduce(
+        local, reduction="sum"
+    ).tolist()
+    most_turns = accelerator.gather(turns.max().view(1).float()).max().item()
+    rows = max(rows, 1.0)
+    return {
+        "tools/call_frequency": calls / rows,
+        "tools/failure_frequency": failures / calls if calls > 0 else 0.0,
+        "tools/timeout_frequency": timeouts / calls if calls > 0 else 0.0,
+        "tools/turns_mean": turn_sum / rows,
+        "tools/turns_max": most_turns,
+        "tools/generated_tokens_mean": generated_sum / rows,
+        "tools/tool_result_tokens_mean": tool_sum / rows,
+        "a3po/multi_version_trajectories_frac": mixed_sum / rows,
+    }
