@@ -36,6 +36,13 @@ method with its band over seeds), naming the runs still missing.
     python -m benchmarks.staleness --max-runs 2                 # the next 2 missing runs, then the summary
     python -m benchmarks.staleness --configs loglinear-s4,behavior-s4 --seeds 42
     python -m benchmarks.staleness --summary-only               # the summary of what is there
+    python -m benchmarks.staleness --confirmation               # the pre-registered multi-step confirmation
+
+``--confirmation`` is the SmolLM2 confirmation of the proximal map's multi-step regime, fixed in
+``results/staleness/PREREGISTRATION.md`` before its first run: ``<method>-s4-k4`` for the three methods, seeds 42-46,
+in ``results/staleness/confirmation/`` (its own summary, so the first study's stays whole). Every summary ends with the
+paired comparison the pre-registration names: per staleness bound and steps per batch, the held-out reward at the
+last step of ``loglinear`` minus each other method's, over the seeds both have, with its 95% t interval.
 """
 
 from __future__ import annotations
@@ -48,12 +55,17 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.common.intervals import paired_difference
 from benchmarks.common.runner import RunStore, plan, run_study, study_parser
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("behavior", "recompute", "loglinear")
 STALENESS = (0, 2, 4, 8)
 CONFIGS = tuple(f"{method}-s{staleness}" for staleness in STALENESS for method in METHODS)
+#: The pre-registered confirmation (results/staleness/PREREGISTRATION.md): configurations, seeds, folder.
+CONFIRMATION_CONFIGS = tuple(f"{method}-s4-k4" for method in METHODS)
+CONFIRMATION_SEEDS = (42, 43, 44, 45, 46)
+CONFIRMATION_OUT = HERE / "results" / "staleness" / "confirmation"
 #: Per-step metrics of the trainer kept in each run's JSON (the summary reads them).
 LOGGED = (
     "reward",
@@ -86,6 +98,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--kl-samples", type=int, default=2, help="sampled completions per held-out prompt for KL")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="the offline SmolLM2, or a model path")
     parser.add_argument("--quick", action="store_true", help="4 steps, 4 held-out prompts, tiny batches (a smoke run)")
+    parser.add_argument(
+        "--confirmation",
+        action="store_true",
+        help=f"the pre-registered confirmation: configurations {','.join(CONFIRMATION_CONFIGS)}, seeds "
+        f"{','.join(map(str, CONFIRMATION_SEEDS))}, in {CONFIRMATION_OUT.relative_to(HERE.parent)} unless --out is "
+        "given",
+    )
     return parser
 
 
@@ -407,6 +426,55 @@ def _line_with_band(axis, xs, per_x_values, color, label) -> None:
     axis.fill_between(xs, [min(v) for v in per_x_values], [max(v) for v in per_x_values], color=color, alpha=0.15)
 
 
+def paired_comparisons(final: dict[str, dict[int, float]]) -> list[dict]:
+    """``final``: ``{configuration: {seed: held-out reward at the last step}}``. For every staleness bound and steps
+    per batch with a ``loglinear`` configuration: its reward minus that of each other method that has runs there,
+    paired by seed, with its 95% t interval (the pre-registered primary comparison)."""
+    comparisons = []
+    for name in sorted(final, key=lambda n: _parse_config(n)[1:]):
+        method, staleness, steps = _parse_config(name)
+        if method != "loglinear":
+            continue
+        for other in ("recompute", "behavior"):
+            other_name = name.replace("loglinear-", f"{other}-", 1)
+            seeds = sorted(final[name].keys() & final.get(other_name, {}).keys())
+            if not seeds:
+                continue
+            interval = paired_difference(final[name], final[other_name])
+            resolved = len(seeds) > 1 and interval.excludes(0.0)
+            comparisons.append(
+                {
+                    "staleness": staleness,
+                    "steps_per_batch": steps,
+                    "difference": f"loglinear - {other}",
+                    "seeds": seeds,
+                    "mean": interval.mean,
+                    "low": interval.low,
+                    "high": interval.high,
+                    "resolved": resolved,
+                }
+            )
+    return comparisons
+
+
+def _comparison_lines(comparisons: list[dict]) -> list[str]:
+    lines = [
+        "Paired by seed: held-out reward at the last step, loglinear minus the other method, mean over the seeds both "
+        "have with its 95% t interval; a difference counts only where its interval excludes 0 (one seed: no "
+        "interval).",
+        "",
+        "| max_staleness | steps/batch | difference | seeds | mean [95% interval] | interval excludes 0 |",
+        "|---:|---:|---|---|---|---|",
+    ]
+    for c in comparisons:
+        verdict = "one seed" if len(c["seeds"]) == 1 else ("yes" if c["resolved"] else "no")
+        lines.append(
+            f"| {c['staleness']} | {c['steps_per_batch']} | {c['difference']} | {','.join(map(str, c['seeds']))} | "
+            f"{c['mean']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}] | {verdict} |"
+        )
+    return lines
+
+
 def summarize(store: RunStore, options, names, seeds) -> str:
     runs: dict[str, list[dict]] = {}
     for cell, run in store.records().items():
@@ -461,6 +529,10 @@ def summarize(store: RunStore, options, names, seeds) -> str:
                 f"{stats['seconds_per_step']:.2f} | {stats['load_average_start']:.1f} | {foreign} |"
             )
     settings = ", ".join(f"{k}={v}" for k, v in first["settings"].items()) if first else "-"
+    final = {
+        name: {run["seed"]: stats["held_out_reward_final"] for run, stats in pairs} for name, pairs in run_rows.items()
+    }
+    comparisons = paired_comparisons(final)
     table = "\n".join(
         [
             f"Staleness study, {options.steps} steps, seeds {','.join(map(str, seeds))}; settings of the first run: "
@@ -479,11 +551,14 @@ def summarize(store: RunStore, options, names, seeds) -> str:
             "",
             *per_run,
             "",
+            *(["", *_comparison_lines(comparisons)] if comparisons else []),
+            "",
             f"Missing runs: {', '.join(missing) if missing else 'none'}.",
         ]
     )
     out = Path(options.out)
-    (out / "summary.json").write_text(json.dumps({"configs": summary, "missing": missing}, indent=2) + "\n")
+    report = {"configs": summary, "paired": comparisons, "missing": missing}
+    (out / "summary.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "summary.md").write_text(table + "\n")
     plot_study(runs, names, out / "staleness.png")
     return table
@@ -492,6 +567,10 @@ def summarize(store: RunStore, options, names, seeds) -> str:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     options = _parser().parse_args(argv)
+    if options.confirmation:
+        options.configs, options.seeds = list(CONFIRMATION_CONFIGS), list(CONFIRMATION_SEEDS)
+        if "--out" not in argv:
+            options.out = str(CONFIRMATION_OUT)
     if options.quick:
         options.steps, options.eval_every, options.held_out, options.kl_samples = 4, 2, 4, 1
         options.prompts_per_step, options.num_generations, options.max_completion_length = 1, 4, 8

@@ -128,3 +128,42 @@ def test_configurations_name_the_method_the_bound_and_the_steps_per_generation_b
     for bad in ("loglinear-s4-k0", "adam-s4", "loglinear-4", "loglinear-s4-kx"):
         with pytest.raises(SystemExit, match="unknown configuration"):
             study._parse_config(bad)
+
+
+def test_paired_comparison_is_loglinear_minus_each_method_over_shared_seeds_per_regime():
+    """The pre-registered primary comparison: per staleness bound and steps per batch, loglinear's final held-out
+    reward minus each other method's, over the seeds both have; resolved only with an interval that excludes 0."""
+    final = {
+        "loglinear-s4-k4": {42: 0.9, 43: 0.8, 44: 0.85},
+        "recompute-s4-k4": {42: 0.5, 43: 0.45, 44: 0.55, 45: 0.1},  # seed 45 has no loglinear run: left out
+        "behavior-s4-k4": {42: 1.0, 43: 0.6, 44: 0.7},
+        "loglinear-s4": {42: 0.5},
+        "behavior-s4": {42: 0.25},
+        "recompute-s8": {42: 0.3},  # no loglinear at staleness 8: no comparison
+    }
+    comparisons = {(c["staleness"], c["steps_per_batch"], c["difference"]): c for c in study.paired_comparisons(final)}
+    assert set(comparisons) == {
+        (4, 4, "loglinear - recompute"),
+        (4, 4, "loglinear - behavior"),
+        (4, 1, "loglinear - behavior"),
+    }
+    ahead = comparisons[(4, 4, "loglinear - recompute")]
+    assert ahead["seeds"] == [42, 43, 44] and ahead["mean"] == pytest.approx(0.35) and ahead["resolved"]
+    assert ahead["low"] < 0.35 < ahead["high"] and ahead["low"] > 0
+    mixed = comparisons[(4, 4, "loglinear - behavior")]
+    assert mixed["mean"] == pytest.approx(0.25 / 3) and not mixed["resolved"] and mixed["low"] < 0 < mixed["high"]
+    single = comparisons[(4, 1, "loglinear - behavior")]
+    assert single["seeds"] == [42] and single["mean"] == pytest.approx(0.25) and not single["resolved"]
+
+
+def test_confirmation_runs_the_preregistered_plan_in_its_own_folder(tmp_path):
+    """``--confirmation`` is the plan PREREGISTRATION.md fixes (three methods at s4-k4, seeds 42-46); with nothing run
+    its summary names every run as missing, in its own folder, and the first study's summary is not touched."""
+    registered = open(os.path.join(ROOT, "benchmarks", "results", "staleness", "PREREGISTRATION.md")).read()
+    assert study.CONFIRMATION_SEEDS == (42, 43, 44, 45, 46) and "42, 43, 44, 45, 46" in registered
+    assert all(f"`{name}`" in registered for name in study.CONFIRMATION_CONFIGS)
+    out = tmp_path / "confirmation"
+    command = [sys.executable, "-m", "benchmarks.staleness", "--confirmation", "--summary-only", "--out", str(out)]
+    subprocess.run(command, check=True, timeout=300, capture_output=True, text=True, cwd=ROOT)
+    missing = json.loads((out / "summary.json").read_text())["missing"]
+    assert missing == [f"{name}@{seed}" for name in study.CONFIRMATION_CONFIGS for seed in study.CONFIRMATION_SEEDS]
