@@ -23,10 +23,20 @@ def test_quick_approximation_run_records_the_error_by_anchor_age(tokenizer, tmp_
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     subprocess.run(command, check=True, timeout=900, env=env, capture_output=True, text=True, cwd=ROOT)
     k4 = json.loads((out / "runs" / "k4-lrhi@42.json").read_text())
-    assert [s["a3po/anchor_age"] for s in k4["steps"]] == [0, 1, 2, 3]  # one batch trained over 4 steps
+    assert [s["a3po/anchor_age"] for s in k4["steps"]] == [0, 1, 2, 3] * 2  # each batch trained over 4 steps
+    # the first batch is fresh; the second was generated one version before its first step
+    assert [s["a3po/staleness_mean"] for s in k4["steps"]] == [0, 1, 2, 3, 1, 2, 3, 4]
     assert k4["steps"][0]["a3po/anchor_approx_logp_abs_error"] >= 0
     iterated = json.loads((out / "runs" / "iter2-lrlo@42.json").read_text())
-    assert [s["a3po/anchor_age"] for s in iterated["steps"]] == [0, 1, 0, 1]  # each batch trained twice
+    assert [s["a3po/anchor_age"] for s in iterated["steps"]] == [0, 1] * 4  # each batch trained twice
+    assert [s["a3po/staleness_mean"] for s in iterated["steps"]] == [0, 1] + [1, 2] * 3
     summary = (out / "summary.md").read_text()
-    assert "| k4-lrhi | 4 x 1 | 0.001 | 3 | 1 |" in summary and "| iter2-lrlo | 1 x 2 | 0.0002 | 1 | 2 |" in summary
+    # by age, over the stale batches only: one step of each age for k4, three for iter2
+    assert "| k4-lrhi | 4 x 1 | 0.001 | 3 | 1 |" in summary and "| iter2-lrlo | 1 x 2 | 0.0002 | 1 | 3 |" in summary
+    # the README's table: one row per configuration, one column per anchor age (iter2 has no age 2 or 3)
+    assert "| configuration | age 0 | age 1 | age 2 | age 3 |" in summary
+    k4_error = k4["steps"][7]["a3po/anchor_approx_logp_abs_error"]
+    k4_row = next(line for line in summary.splitlines() if line.startswith("| k4-lrhi | 0."))
+    assert k4_row.endswith(f" | {k4_error:.4f} [{k4_error:.4f}, {k4_error:.4f}] |")  # one step of age 3
+    assert next(line for line in summary.splitlines() if line.startswith("| iter2-lrlo | 0.")).endswith(" | - | - |")
     assert (out / "approximation.png").stat().st_size > 0
