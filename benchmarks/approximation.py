@@ -185,16 +185,19 @@ def summarize(store: RunStore, options) -> str:
 
 
 def compact_table(table: dict, records: dict) -> list[str]:
-    """The log-prob error by configuration (rows) and anchor age (columns), as the README shows it."""
+    """The log-prob difference by configuration (rows) and anchor age (columns), as the README shows it, and at age 1
+    the interpolation's error over the drift per optimizer step on the same steps (the error of anchoring at either
+    end, the behavior or the current policy, when the log-probs move linearly in the version)."""
     ages = sorted({int(key.rpartition("/age")[2]) for key in table})
     lines = [
         "Mean abs log-prob difference of the log-linear anchor from the recomputed one (nats per token), by anchor "
-        "age, 95% t interval over steps (age 1: the interpolation's error; other ages: different target versions):",
+        "age, 95% t interval over steps (age 1: the interpolation's error; other ages: different target versions); "
+        "last column: age 1's error over the drift per optimizer step on the same steps:",
         "",
-        "| configuration | " + " | ".join(f"age {age}" for age in ages) + " |",
-        "|---|" + "---|" * len(ages),
+        "| configuration | " + " | ".join(f"age {age}" for age in ages) + " | age 1 error / drift per step |",
+        "|---|" + "---|" * len(ages) + "---:|",
     ]
-    for cell in sorted(records):
+    for cell, record in sorted(records.items()):
         cells = []
         for age in ages:
             entry = table.get(f"{cell}/age{age}")
@@ -203,7 +206,11 @@ def compact_table(table: dict, records: dict) -> list[str]:
                 continue
             logp = entry["logp"]
             cells.append(f"{logp['mean']:.4f} [{logp['low']:.4f}, {logp['high']:.4f}]")
-        lines.append(f"| {cell.config} | " + " | ".join(cells) + " |")
+        at_one = [s for s in stale_batch_steps(record) if round(s["a3po/anchor_age"]) == 1]
+        drift = sum(s.get("a3po/behavior_drift_per_version_mean", 0.0) for s in at_one)
+        error = sum(s["a3po/anchor_approx_logp_abs_error"] for s in at_one)
+        ratio = f"{error / drift:.2f}" if drift > 0 else "-"
+        lines.append(f"| {cell.config} | " + " | ".join(cells) + f" | {ratio} |")
     return lines
 
 

@@ -34,9 +34,13 @@ def test_quick_approximation_run_records_the_error_by_anchor_age(tokenizer, tmp_
     # by age, over the stale batches only: one step of each age for k4, three for iter2
     assert "| k4-lrhi | 4 x 1 | 0.001 | 3 | 1 |" in summary and "| iter2-lrlo | 1 x 2 | 0.0002 | 1 | 3 |" in summary
     # the README's table: one row per configuration, one column per anchor age (iter2 has no age 2 or 3)
-    assert "| configuration | age 0 | age 1 | age 2 | age 3 |" in summary
+    assert "| configuration | age 0 | age 1 | age 2 | age 3 | age 1 error / drift per step |" in summary
     k4_error = k4["steps"][7]["a3po/anchor_approx_logp_abs_error"]
     k4_row = next(line for line in summary.splitlines() if line.startswith("| k4-lrhi | 0."))
-    assert k4_row.endswith(f" | {k4_error:.4f} [{k4_error:.4f}, {k4_error:.4f}] |")  # one step of age 3
-    assert next(line for line in summary.splitlines() if line.startswith("| iter2-lrlo | 0.")).endswith(" | - | - |")
+    at_one = k4["steps"][5]  # the stale batch's step at age 1: the interpolation's error over the drift
+    drift = at_one.get("a3po/behavior_drift_per_version_mean", 0.0)
+    ratio = f"{at_one['a3po/anchor_approx_logp_abs_error'] / drift:.2f}" if drift > 0 else "-"
+    assert k4_row.endswith(f" | {k4_error:.4f} [{k4_error:.4f}, {k4_error:.4f}] | {ratio} |")  # one step of age 3
+    iter2_row = next(line for line in summary.splitlines() if line.startswith("| iter2-lrlo | 0."))
+    assert " | - | - | " in iter2_row  # no age 2 or 3
     assert (out / "approximation.png").stat().st_size > 0
