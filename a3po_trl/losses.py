@@ -95,8 +95,6 @@ class DecoupledLossMixin:
         this micro-batch has them already (a later micro-step, or a later iteration over the batch)."""
         if "recomputed_proximal_logps" in inputs or "versions_training_batch" not in inputs:
             return
-        if not needs_recompute_forward(self.args.prox_logp_method, int(inputs["versions_training_batch"])):
-            return
         buffered = getattr(self, "_buffered_inputs", None) or []
         micro_batches = buffered if any(batch is inputs for batch in buffered) else [inputs]
         self.attach_proximal_logps(micro_batches, int(inputs["batch_index"]), int(inputs["versions_training_batch"]))

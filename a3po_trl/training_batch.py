@@ -56,13 +56,14 @@ def make_training_batch(
     if scored.environments is not None:
         trainer.environments = scored.environments  # GRPOTrainer's attribute: the latest batch's environments
 
-    input_ids = torch.cat([data["prompt_ids"], data["completion_ids"]], dim=1)
-    attention_mask = torch.cat([data["prompt_mask"], data["completion_mask"]], dim=1)
-    logits_to_keep = data["completion_ids"].size(1)
-    # what the loss needs to know to recompute the proximal log-probs at the batch's first micro-step (losses.py)
-    data["versions_training_batch"] = torch.tensor(planned.span, device=trainer.accelerator.device)
-    data["batch_index"] = torch.tensor(scored.index, device=trainer.accelerator.device)
+    # what the loss needs to know to recompute the proximal log-probs at the batch's first micro-step (losses.py);
+    # on the host, so that reading them at every micro-step never waits for the GPU
+    data["versions_training_batch"] = torch.tensor(planned.span)
+    data["batch_index"] = torch.tensor(scored.index)
     if trainer.beta != 0.0:
+        input_ids = torch.cat([data["prompt_ids"], data["completion_ids"]], dim=1)
+        attention_mask = torch.cat([data["prompt_mask"], data["completion_mask"]], dim=1)
+        logits_to_keep = data["completion_ids"].size(1)
         with trainer.timeline.span(TRAINING_LANE, "reference forward", batch=scored.index):
             data["ref_per_token_logps"] = reference_logps(trainer, input_ids, attention_mask, logits_to_keep)
 
