@@ -41,6 +41,7 @@ from pathlib import Path
 from benchmarks.common.intervals import mean_interval
 from benchmarks.common.machine import kernel_info
 from benchmarks.common.runner import RunStore, plan, run_study, study_parser
+from benchmarks.staleness import word_choice_trainer
 
 HERE = Path(__file__).resolve().parent
 RATES = {"hi": 1e-3, "lo": 2e-4}
@@ -73,11 +74,8 @@ def parse_config(name: str) -> tuple[int, int, float]:
 
 
 def _run_one(options, name: str, seed: int) -> dict:
-    from peft import LoraConfig
-
-    from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
-    from a3po_trl.tasks.offline_model import resolve_model_path
-    from a3po_trl.tasks.word_choice import make_word_choice_splits, word_choice_reward
+    from a3po_trl import AsyncA3POConfig
+    from a3po_trl.tasks.word_choice import make_word_choice_splits
 
     steps_per_batch, iterations, learning_rate = parse_config(name)
     train, _ = make_word_choice_splits(num_train=1000, num_held_out=4, seed=0)
@@ -104,14 +102,7 @@ def _run_one(options, name: str, seed: int) -> dict:
         disable_tqdm=True,
         timeline=False,
     )
-    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-    trainer = AsyncA3POTrainer(
-        model=resolve_model_path(options.model),
-        reward_funcs=[word_choice_reward],
-        args=args,
-        train_dataset=train,
-        peft_config=lora,
-    )
+    trainer = word_choice_trainer(options.model, args, train)
     trainer.train()
     steps = [
         {"step": h["step"], **{k: h[k] for k in LOGGED if k in h}}

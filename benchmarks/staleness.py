@@ -130,6 +130,25 @@ def _method_and_staleness(name: str) -> tuple[str, int]:
     return method, staleness
 
 
+def word_choice_trainer(model: str, args, train):
+    """The studies' trainer: ``model`` (the offline SmolLM2, or a path) with LoRA r=16 on every linear layer, trained
+    on the word-choice rows ``train`` with ``args``."""
+    from peft import LoraConfig
+
+    from a3po_trl import AsyncA3POTrainer
+    from a3po_trl.tasks.offline_model import resolve_model_path
+    from a3po_trl.tasks.word_choice import word_choice_reward
+
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    return AsyncA3POTrainer(
+        model=resolve_model_path(model),
+        reward_funcs=[word_choice_reward],
+        args=args,
+        train_dataset=train,
+        peft_config=lora,
+    )
+
+
 def _training_settings(options) -> dict:
     """The ``AsyncA3POConfig`` fields every configuration shares."""
     import torch
@@ -231,12 +250,11 @@ def _kl_to_initial(model, tokenizer, rows, max_tokens: int, temperature: float, 
 def _run_one(options, name: str, seed: int) -> dict:
     """One (configuration, seed) run, in this process (the runner adds when it ran and the machine's load)."""
     import torch
-    from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
     from transformers import TrainerCallback
 
-    from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
-    from a3po_trl.tasks.offline_model import resolve_model_path
-    from a3po_trl.tasks.word_choice import make_word_choice_splits, word_choice_reward
+    from a3po_trl import AsyncA3POConfig
+    from a3po_trl.tasks.word_choice import make_word_choice_splits
     from benchmarks.common.machine import LoadMeter, kernel_info
 
     method, staleness, steps_per_batch = _parse_config(name)
@@ -251,14 +269,7 @@ def _run_one(options, name: str, seed: int) -> dict:
         steps_per_generation=steps_per_batch,
         **settings,
     )
-    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-    trainer = AsyncA3POTrainer(
-        model=resolve_model_path(options.model),
-        reward_funcs=[word_choice_reward],
-        args=args,
-        train_dataset=train,
-        peft_config=lora,
-    )
+    trainer = word_choice_trainer(options.model, args, train)
     tokenizer = trainer.processing_class
     tokenizer.padding_side = "left"
     model = trainer.accelerator.unwrap_model(trainer.model)
