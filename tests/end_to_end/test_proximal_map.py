@@ -1,31 +1,15 @@
 """benchmarks/proximal_map.py end to end at a tiny size (runs, every recorded field, the exact staleness schedule,
-the summary with intervals and paired differences, resuming), and the interval arithmetic it reports."""
+the summary with intervals and paired differences, resuming); the interval arithmetic:
+tests/unit/test_intervals.py."""
 
 import json
-import math
 import os
 import subprocess
 import sys
 
 import pytest
 
-from benchmarks.common.intervals import mean_interval, paired_difference, t_quantile
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def test_t_quantiles_and_intervals_match_the_textbook_values():
-    for dof, exact in [(3, 3.182446), (5, 2.570582), (15, 2.131450), (30, 2.042272)]:
-        assert t_quantile(0.975, dof) == pytest.approx(exact, abs=5e-3)
-    interval = mean_interval([1.0, 2.0, 3.0, 4.0])  # mean 2.5, sd 1.291, t(3) = 3.182
-    assert interval.mean == 2.5 and interval.high - 2.5 == pytest.approx(3.182446 * 1.290994 / 2, rel=2e-3)
-    assert not interval.excludes(1.0) and interval.excludes(0.0)
-    # paired: a common seed effect drops out, so a consistent small gain is resolved
-    a = {seed: 10.0 * seed + 0.1 for seed in range(8)}
-    b = {seed: 10.0 * seed for seed in range(9)}  # seed 8 has no partner: left out
-    difference = paired_difference(a, b)
-    assert difference.n == 8 and difference.mean == pytest.approx(0.1) and difference.excludes(0.0)
-    assert math.isclose(mean_interval([5.0]).low, 5.0)
 
 
 @pytest.mark.slow
