@@ -55,8 +55,9 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common.intervals import paired_difference
+from benchmarks.common.intervals import equivalence, holm, p_value, paired_difference, paired_values
 from benchmarks.common.runner import RunStore, plan, run_study, study_parser
+from benchmarks.common.study_plot import plot_study
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("behavior", "recompute", "loglinear")
@@ -66,6 +67,8 @@ CONFIGS = tuple(f"{method}-s{staleness}" for staleness in STALENESS for method i
 CONFIRMATION_CONFIGS = tuple(f"{method}-s4-k4" for method in METHODS)
 CONFIRMATION_SEEDS = (42, 43, 44, 45, 46)
 CONFIRMATION_OUT = HERE / "results" / "staleness" / "confirmation"
+#: The equivalence margin on held-out reward declared in PREREGISTRATION.md (amendment of 2026-12-04).
+EQUIVALENCE_MARGIN = 0.05
 #: Per-step metrics of the trainer kept in each run's JSON (the summary reads them).
 LOGGED = (
     "reward",
@@ -382,106 +385,70 @@ def _spread(values: list[float], form: str) -> str:
     return f"{format(statistics.fmean(values), form)} ({format(min(values), form)}-{format(max(values), form)})"
 
 
-def plot_study(runs: dict[str, list[dict]], names: list[str], path: Path) -> None:
-    """One column per staleness: held-out reward (top) and training reward (bottom, 5-step running mean) against the
-    optimizer step, a line per method (mean over seeds) with a band from its lowest to its highest run."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    staleness_values = sorted({_parse_config(n)[1:] for n in names if runs.get(n)})
-    if not staleness_values:
-        return
-    figure, axes = plt.subplots(
-        2, len(staleness_values), figsize=(3.6 * len(staleness_values), 6.4), sharey="row", squeeze=False
-    )
-    colors = {"behavior": "tab:red", "recompute": "tab:blue", "loglinear": "tab:green"}
-    for column, staleness in enumerate(staleness_values):
-        for name in names:
-            method, *value = _parse_config(name)
-            value = tuple(value)
-            done = runs.get(name, [])
-            if value != staleness or not done:
-                continue
-            label = f"{method} ({len(done)})"
-            steps = [p["step"] for p in done[0]["curve"]]
-            held_out = [[r["curve"][i]["reward"] for r in done] for i in range(len(steps))]
-            _line_with_band(axes[0][column], steps, held_out, colors[method], label)
-            per_run = [_running_mean(_values(r, "reward"), 5) for r in done]
-            length = min(len(v) for v in per_run)
-            training = [[v[i] for v in per_run] for i in range(length)]
-            _line_with_band(axes[1][column], list(range(1, length + 1)), training, colors[method], label)
-        bound, steps_per_batch = staleness
-        title = f"max_staleness={bound}" + (f", {steps_per_batch} steps/batch" if steps_per_batch > 1 else "")
-        axes[0][column].set_title(title)
-        axes[1][column].set_xlabel("optimizer step")
-        for axis in axes[:, column]:
-            axis.grid(alpha=0.3)
-            axis.legend(fontsize=8)
-    axes[0][0].set_ylabel("held-out reward (greedy)")
-    axes[1][0].set_ylabel("training reward (5-step mean)")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-
-
-def _running_mean(values: list[float], window: int) -> list[float]:
-    return [statistics.fmean(values[max(0, i + 1 - window) : i + 1]) for i in range(len(values))]
-
-
-def _line_with_band(axis, xs, per_x_values, color, label) -> None:
-    axis.plot(xs, [statistics.fmean(v) for v in per_x_values], color=color, label=label, marker=".")
-    axis.fill_between(xs, [min(v) for v in per_x_values], [max(v) for v in per_x_values], color=color, alpha=0.15)
-
-
-def paired_comparisons(final: dict[str, dict[int, float]]) -> list[dict]:
+def paired_comparisons(final: dict[str, dict[int, float]], margin: float = EQUIVALENCE_MARGIN) -> list[dict]:
     """``final``: ``{configuration: {seed: held-out reward at the last step}}``. For every staleness bound and steps
     per batch with a ``loglinear`` configuration: its reward minus that of each other method that has runs there,
-    paired by seed, with its 95% t interval (the pre-registered primary comparison)."""
+    paired by seed, with its 95% t interval (the pre-registered primary comparison), its t-test p-value, Holm's
+    adjustment of it within its family (one difference across this summary's regimes with two seeds or more) and
+    two one-sided tests of ``|difference| < margin`` (TOST). ``resolved``: a difference (Holm p <= 0.05; for a
+    family of one, the interval excludes 0); ``equivalent``: shown within the margin."""
     comparisons = []
     for name in sorted(final, key=lambda n: _parse_config(n)[1:]):
         method, staleness, steps = _parse_config(name)
-        if method != "loglinear":
-            continue
-        for other in ("recompute", "behavior"):
+        for other in ("recompute", "behavior") if method == "loglinear" else ():
             other_name = name.replace("loglinear-", f"{other}-", 1)
-            seeds = sorted(final[name].keys() & final.get(other_name, {}).keys())
-            if not seeds:
+            values = paired_values(final[name], final.get(other_name, {}))
+            if not values:
                 continue
-            interval = paired_difference(final[name], final[other_name])
-            resolved = len(seeds) > 1 and interval.excludes(0.0)
+            interval, several = paired_difference(final[name], final[other_name]), len(values) > 1
+            test = equivalence(values, margin) if several else None
             comparisons.append(
                 {
                     "staleness": staleness,
                     "steps_per_batch": steps,
                     "difference": f"loglinear - {other}",
-                    "seeds": seeds,
+                    "seeds": sorted(final[name].keys() & final[other_name].keys()),
                     "mean": interval.mean,
                     "low": interval.low,
                     "high": interval.high,
-                    "resolved": resolved,
+                    "p": p_value(values) if several else None,
+                    "equivalence_margin": margin,
+                    "equivalence_p": test.p if test else None,
+                    "equivalent": bool(test and test.equivalent),
                 }
             )
+    for difference in {c["difference"] for c in comparisons}:
+        family = [c for c in comparisons if c["difference"] == difference and c["p"] is not None]
+        for c, adjusted in zip(family, holm([c["p"] for c in family])):
+            c["holm_p"] = adjusted
+    for c in comparisons:
+        c.setdefault("holm_p", None)
+        c["resolved"] = c["holm_p"] is not None and c["holm_p"] <= 0.05
     return comparisons
 
 
 def _comparison_lines(comparisons: list[dict]) -> list[str]:
+    margin = comparisons[0]["equivalence_margin"]
     lines = [
         "Paired by seed: held-out reward at the last step, loglinear minus the other method, mean over the seeds both "
-        "have with its 95% t interval; a difference counts only where its interval excludes 0 (one seed: no "
-        "interval).",
+        "have with its 95% t interval. Family: one difference across the regimes below; Holm p: its t-test p-value "
+        "adjusted within the family. Verdict: a difference where Holm p <= 0.05 (for a family of one: the interval "
+        f"excludes 0); equivalent where two one-sided tests show it within +-{margin} (TOST p <= 0.05, the margin "
+        "declared in PREREGISTRATION.md); otherwise not resolved (one seed: no test).",
         "",
-        "| max_staleness | steps/batch | difference | seeds | mean [95% interval] | interval excludes 0 |",
-        "|---:|---:|---|---|---|---|",
+        "| max_staleness | steps/batch | difference | seeds | mean [95% interval] | interval excludes 0 | Holm p | "
+        f"TOST p (+-{margin}) | verdict |",
+        "|---:|---:|---|---|---|---|---:|---:|---|",
     ]
     for c in comparisons:
-        verdict = "one seed" if len(c["seeds"]) == 1 else ("yes" if c["resolved"] else "no")
+        one = len(c["seeds"]) == 1
+        verdict = "one seed" if one else ("difference" if c["resolved"] else "equivalent" if c["equivalent"] else "")
+        excludes = "one seed" if one else ("yes" if c["low"] > 0 or c["high"] < 0 else "no")
+        holm_p, tost_p = ("-", "-") if one else (f"{c['holm_p']:.3f}", f"{c['equivalence_p']:.3f}")
         lines.append(
             f"| {c['staleness']} | {c['steps_per_batch']} | {c['difference']} | {','.join(map(str, c['seeds']))} | "
-            f"{c['mean']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}] | {verdict} |"
+            f"{c['mean']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}] | {excludes} | {holm_p} | {tost_p} | "
+            f"{verdict or 'not resolved'} |"
         )
     return lines
 
@@ -571,7 +538,7 @@ def summarize(store: RunStore, options, names, seeds) -> str:
     report = {"configs": summary, "paired": comparisons, "missing": missing}
     (out / "summary.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "summary.md").write_text(table + "\n")
-    plot_study(runs, names, out / "staleness.png")
+    plot_study(runs, names, out / "staleness.png", _parse_config)
     return table
 
 

@@ -154,6 +154,31 @@ def test_paired_comparison_is_loglinear_minus_each_method_over_shared_seeds_per_
     assert mixed["mean"] == pytest.approx(0.25 / 3) and not mixed["resolved"] and mixed["low"] < 0 < mixed["high"]
     single = comparisons[(4, 1, "loglinear - behavior")]
     assert single["seeds"] == [42] and single["mean"] == pytest.approx(0.25) and not single["resolved"]
+    assert single["p"] is None and single["holm_p"] is None and not single["equivalent"]
+    # a family of one: Holm's p is the raw p, below 0.05 exactly where the interval excludes 0
+    assert ahead["holm_p"] == ahead["p"] < 0.05 and mixed["holm_p"] == mixed["p"] > 0.05
+
+
+def test_paired_comparisons_correct_within_a_family_and_test_equivalence_against_the_margin():
+    """Holm within one difference across the regimes; TOST against the declared margin; else not resolved."""
+    final = {
+        "loglinear-s2": {42: 0.90, 43: 0.80, 44: 0.85, 45: 0.70},
+        "recompute-s2": {42: 0.80, 43: 0.71, 44: 0.74, 45: 0.62},  # +0.095 +- small: p about 0.002
+        "loglinear-s4": {42: 0.90, 43: 0.80, 44: 0.85, 45: 0.70},
+        "recompute-s4": {42: 0.86, 43: 0.74, 44: 0.83, 45: 0.60},  # +0.055 with more spread: p 0.049
+        "loglinear-s8": {42: 0.5, 43: 0.6, 44: 0.55, 45: 0.52},
+        "recompute-s8": {42: 0.49, 43: 0.61, 44: 0.55, 45: 0.51},  # tight around 0: equivalent within 0.05
+    }
+    comparisons = {c["staleness"]: c for c in study.paired_comparisons(final)}
+    assert study.EQUIVALENCE_MARGIN == 0.05 and comparisons[8]["equivalence_margin"] == 0.05
+    raw = sorted(c["p"] for c in comparisons.values())
+    assert comparisons[2]["holm_p"] == pytest.approx(3 * raw[0])
+    assert comparisons[4]["p"] < 0.05 < comparisons[4]["holm_p"] == pytest.approx(max(3 * raw[0], 2 * raw[1]))
+    assert comparisons[2]["resolved"] and not comparisons[4]["resolved"] and comparisons[4]["low"] > 0
+    assert comparisons[8]["equivalent"] and not comparisons[8]["resolved"]
+    assert not comparisons[4]["equivalent"]  # ahead by 0.06, more than the margin: neither
+    verdicts = [line.rsplit("|", 2)[-2].strip() for line in study._comparison_lines(list(comparisons.values()))[4:]]
+    assert verdicts == ["difference", "not resolved", "equivalent"]
 
 
 def test_confirmation_runs_the_preregistered_plan_in_its_own_folder(tmp_path):
