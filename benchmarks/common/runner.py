@@ -27,6 +27,7 @@ import collections
 import functools
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -55,6 +56,8 @@ RUN_FIELDS = {
     "foreign_cpu_frac_run": "other processes' share of all cores while it ran (its own CPU left out)",
     "machine": "platform, cores, CPU model and memory of the machine",
     "discarded_attempts": "earlier attempts run again because the machine was busy (their load and seconds)",
+    "git_commit": "the repository's commit when it ran, '-dirty' appended where tracked files differed from it",
+    "command": "the command that ran it (the study's module, its arguments and the cell)",
 }
 
 
@@ -292,6 +295,7 @@ def _launch(command, env, options, log_path: Path | None) -> tuple[dict[Cell, di
     fields (:data:`RUN_FIELDS`, but the discarded attempts)."""
     quiet = wait_for_quiet(options.quiet_wait, options.quiet_threshold)
     fields = {"started_at": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), **quiet}
+    fields["git_commit"], fields["command"] = git_commit(), shlex.join(["python", *command[1:]])
     fields["load_average_start"] = load_average()
     meter, began = LoadMeter(children=True).start(), time.perf_counter()
     log = open(log_path, "w") if log_path is not None else None
@@ -335,6 +339,19 @@ def _launch(command, env, options, log_path: Path | None) -> tuple[dict[Cell, di
         where = f"log {log_path}" if log_path else "stderr above"
         error = f"the subprocess {why}; the end of its output ({where}):\n{''.join(tail)}"
     return records, error, fields
+
+
+def git_commit() -> str | None:
+    """The repository's commit, ``-dirty`` appended where tracked files differ from it (None outside a checkout)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=30)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
 def _echo(line: str, log: IO[str] | None) -> None:

@@ -75,6 +75,9 @@ def test_runs_each_missing_cell_in_its_own_subprocess_and_keeps_its_record_with_
         assert record["run_seconds"] > 0 and record["quiet_wait_seconds"] >= 0
         assert 0 <= record["foreign_cpu_frac_run"] <= 1 and len(record["load_average_start"]) == 3
         assert record["machine"]["cpu_count"] >= 1 and record["discarded_attempts"] == []
+        assert len(record["git_commit"].removesuffix("-dirty")) == 40  # the commit it ran at
+        command = record["command"]
+        assert command.startswith("python -c ") and command.endswith(f" ok@{record['seed_twice'] // 2}")
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["ok@1.json", "ok@2.json"]  # nothing half-made
 
 
