@@ -43,7 +43,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common.intervals import mean_interval, paired_difference
+from benchmarks.common.intervals import (
+    equivalence_from_summary,
+    holm,
+    mean_interval,
+    paired_difference,
+    t_quantile,
+    t_test_p,
+)
 from benchmarks.common.machine import kernel_info
 from benchmarks.common.runner import RunStore, plan, run_study, study_parser
 
@@ -65,6 +72,10 @@ LOGGED = (
     "a3po/staleness_mean",
     "step_time",
 )
+#: The equivalence margin on reward (final and AUC): the SmolLM2 confirmation's, declared in
+#: results/staleness/PREREGISTRATION.md, for the same reason (below the smallest gain the map reports).
+EQUIVALENCE_MARGIN = 0.05
+OUTCOMES = {"final": "final reward", "auc": "reward AUC"}
 MAX_COMPLETION_LENGTH = 8
 NUM_GENERATIONS = 8
 
@@ -283,7 +294,12 @@ def summarize(store: RunStore, options) -> str:
                     )
                     pairs[f"{a}-{b}-s{d}-k{k}-lr{rate}"] = {"final": final, "auc": auc}
                     lines.append(f"| {d} | {a} - {b} | {_marked(final)} | {_marked(auc)} |")
-    lines += ["", "Differences in **bold** have a 95% interval that excludes 0."]
+    lines += [
+        "",
+        "Differences in **bold** have a 95% interval that excludes 0, uncorrected for multiple comparisons; "
+        "`families.md` corrects each family (one pair of methods on one outcome across the cells) with Holm and "
+        f"tests equivalence within +-{EQUIVALENCE_MARGIN}.",
+    ]
     if missing:
         lines += ["", f"Missing runs ({len(missing)}): " + ", ".join(missing)]
     table = "\n".join(lines)
@@ -295,9 +311,87 @@ def summarize(store: RunStore, options) -> str:
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (out / "summary.md").write_text(table + "\n")
+    write_families(summary, out, "from the runs' records")
     if cells:
         _plot(cells, out / "proximal_map.png")
     return table
+
+
+def family_tests(differences: dict, margin: float = EQUIVALENCE_MARGIN) -> dict[str, list[dict]]:
+    """Per family, one pair of methods on one outcome across the map's cells (``"loglinear - recompute, final"``):
+    each cell's difference, its two-sided t-test p-value, Holm's adjustment within the family, the TOST p-value
+    against ``margin`` and a verdict (``difference``: Holm p <= 0.05; ``equivalent``: TOST p <= 0.05; else ``not
+    resolved``). ``differences``: a summary's (name -> outcome -> mean, low, high, n); the standard error is read back
+    from the 95% interval's half-width, so a committed summary is enough."""
+    families: dict[str, list[dict]] = {}
+    for a, b in PAIRS:
+        for outcome in OUTCOMES:
+            rows = []
+            for rate in RATES:
+                for k in STEPS_PER_BATCH:
+                    for d in STALENESS:
+                        interval = differences.get(f"{a}-{b}-s{d}-k{k}-lr{rate}", {}).get(outcome)
+                        if interval is None or interval["n"] < 2:
+                            continue
+                        dof = interval["n"] - 1
+                        se = (interval["high"] - interval["low"]) / 2 / t_quantile(0.975, dof)
+                        rows.append(
+                            {"steps_per_batch": k, "lr": rate, "staleness": d, **interval,
+                             "p": t_test_p(interval["mean"], se, dof),
+                             "equivalence_p": equivalence_from_summary(interval["mean"], se, dof, margin).p}
+                        )  # fmt: skip
+            for row, adjusted in zip(rows, holm([row["p"] for row in rows])):
+                row["holm_p"] = adjusted
+                verdict = "equivalent" if row["equivalence_p"] <= 0.05 else "not resolved"
+                row["verdict"] = "difference" if adjusted <= 0.05 else verdict
+            families[f"{a} - {b}, {outcome}"] = rows
+    return families
+
+
+def family_lines(families: dict[str, list[dict]], margin: float, source: str) -> list[str]:
+    """``families.md``: a count per family, then a table per pair of methods."""
+    lines = [
+        f"Proximal map, multiple comparisons and equivalence ({source}). A family is one pair of methods on one "
+        "outcome across the map's cells; Holm p: the paired t test's p-value adjusted within its family. Verdict: "
+        f"a difference where Holm p <= 0.05; equivalent where two one-sided tests show it within +-{margin} (TOST p "
+        "<= 0.05); otherwise not resolved.",
+        "",
+        "| family | cells | uncorrected: interval excludes 0 | Holm: difference (ahead / behind) | equivalent | "
+        "not resolved |",
+        "|---|---:|---:|---|---:|---:|",
+    ]
+    for name, rows in families.items():
+        ahead = sum(r["verdict"] == "difference" and r["mean"] > 0 for r in rows)
+        behind = sum(r["verdict"] == "difference" and r["mean"] < 0 for r in rows)
+        lines.append(
+            f"| {name} | {len(rows)} | {sum(r['p'] <= 0.05 for r in rows)} | {ahead + behind} ({ahead} / {behind}) | "
+            f"{sum(r['verdict'] == 'equivalent' for r in rows)} | "
+            f"{sum(r['verdict'] == 'not resolved' for r in rows)} |"
+        )
+    for a, b in PAIRS:
+        final, auc = families.get(f"{a} - {b}, final", []), families.get(f"{a} - {b}, auc", [])
+        lines += ["", f"### {a} - {b}", ""]
+        lines += [
+            "| steps/batch | lr | staleness | final reward | Holm p | verdict | reward AUC | Holm p | verdict |",
+            "|---:|---|---:|---|---:|---|---|---:|---|",
+        ]
+        for f, r in zip(final, auc):
+            lines.append(
+                f"| {f['steps_per_batch']} | {f['lr']} | {f['staleness']} | {_row_interval(f)} | {f['holm_p']:.3f} | "
+                f"{f['verdict']} | {_row_interval(r)} | {r['holm_p']:.3f} | {r['verdict']} |"
+            )
+    return lines
+
+
+def write_families(summary: dict, out: Path, source: str, margin: float = EQUIVALENCE_MARGIN) -> None:
+    """Write ``families.md`` and ``families.json`` next to the summary, from its differences."""
+    families = family_tests(summary["differences"], margin)
+    (out / "families.json").write_text(json.dumps({"margin": margin, "families": families}, indent=1) + "\n")
+    (out / "families.md").write_text("\n".join(family_lines(families, margin, source)) + "\n")
+
+
+def _row_interval(row: dict) -> str:
+    return f"{row['mean']:+.3f} [{row['low']:+.3f}, {row['high']:+.3f}]"
 
 
 def _fmt(value) -> str:

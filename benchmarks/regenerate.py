@@ -1,0 +1,141 @@
+"""Every summary and table of ``benchmarks/results/`` regenerated from the committed records, in one command.
+
+    python -m benchmarks.regenerate            # rewrite them in place (and the studies' plots)
+    python -m benchmarks.regenerate --check    # regenerate into a scratch copy; list what differs from the committed
+
+What is regenerated, and from what:
+
+- the studies with per-run records (``<study>/runs/<config>@<seed>.json``): the staleness study, its pre-registered
+  confirmation, time to accuracy, and the proximal map and the approximation study once their runs are committed;
+  each study's own ``--summary-only`` (``summary.md``, ``summary.json``, its plot);
+- the proximal map while its runs are not committed: ``families.{md,json}`` (Holm within each family, equivalence
+  against the margin), read back from the committed ``summary.json``'s means and intervals;
+- ``compare-*.md`` and ``profile-*.md`` from their JSON reports (``benchmarks/compare``), ``backends-*.md`` from theirs
+  (``benchmarks/backends.py``).
+
+Not regenerable, and why (:data:`NOT_REGENERABLE`): the summaries whose runs were never committed (to be rerun).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+#: Summaries that cannot be regenerated while their study's runs/ is empty, with why.
+NOT_REGENERABLE = {
+    "proximal_map/summary.md": "its 768 runs' records were never committed; rerun: python -m benchmarks.proximal_map "
+    "--cells-per-launch 16",
+    "approximation/summary.md": "its 4 runs' records were never committed; rerun: python -m benchmarks.approximation",
+}
+#: The proximal map's families, when read back from its summary rather than from its runs.
+FROM_SUMMARY = (
+    "read back from the committed summary.json's means and 95% intervals: the 768 runs behind it were never "
+    "committed and are to be rerun (python -m benchmarks.proximal_map --cells-per-launch 16)"
+)
+
+
+def _has_runs(folder: Path) -> bool:
+    return any((folder / "runs").glob("*@*.json"))
+
+
+def regenerate(results: Path = RESULTS) -> list[str]:
+    """Regenerate every summary and table under ``results`` (the committed folder, or a copy of it); returns what
+    was regenerated, relative to ``results``."""
+    from benchmarks import proximal_map, staleness, time_to_accuracy
+
+    done = []
+    studies = [
+        ("staleness", staleness.main, []),
+        ("staleness/confirmation", staleness.main, ["--confirmation"]),
+        ("time-to-accuracy", time_to_accuracy.main, []),
+        ("proximal_map", proximal_map.main, []),
+    ]
+    if _has_runs(results / "approximation"):
+        from benchmarks import approximation  # builds trainers: imported only where it has records to read
+
+        studies.append(("approximation", approximation.main, []))
+    for folder, main, extra in studies:
+        if _has_runs(results / folder):
+            with contextlib.redirect_stdout(io.StringIO()):  # each study prints its summary
+                main([*extra, "--summary-only", "--out", str(results / folder)])
+            done += [f"{folder}/summary.md", f"{folder}/summary.json"]
+    committed_summary = results / "proximal_map" / "summary.json"
+    if not _has_runs(results / "proximal_map") and committed_summary.exists():
+        proximal_map.write_families(json.loads(committed_summary.read_text()), committed_summary.parent, FROM_SUMMARY)
+    if (results / "proximal_map" / "families.md").exists():
+        done += ["proximal_map/families.md", "proximal_map/families.json"]
+    done += _tables(results)
+    return done
+
+
+def _tables(results: Path) -> list[str]:
+    """The Markdown tables that their JSON reports hold everything of."""
+    from benchmarks.backends import _table
+    from benchmarks.compare.markdown import write_markdown
+
+    done = []
+    for path in sorted([*results.glob("compare-*.json"), *results.glob("profile-*.json")]):
+        write_markdown(json.loads(path.read_text()), str(path.with_suffix(".md")))
+        done.append(path.with_suffix(".md").name)
+    for path in sorted(results.glob("backends-*.json")):
+        report = json.loads(path.read_text())
+        path.with_suffix(".md").write_text(_table(report["results"], report["meta"]))
+        done.append(path.with_suffix(".md").name)
+    return done
+
+
+def check(results: Path = RESULTS) -> dict[str, str]:
+    """Regenerate into a scratch copy of ``results`` and compare every regenerated JSON and Markdown file with the
+    committed one (images are left out: a plot's bytes depend on the matplotlib build). Returns what differs, with
+    the first differing line."""
+    differences = {}
+    with tempfile.TemporaryDirectory(prefix="a3po-regenerate-") as scratch:
+        copy = Path(scratch) / "results"
+        shutil.copytree(results, copy, ignore=shutil.ignore_patterns("work", "*.png"))
+        for name in regenerate(copy):
+            committed, made = results / name, copy / name
+            if not committed.exists():
+                differences[name] = "not committed"
+                continue
+            old, new = committed.read_text().splitlines(), made.read_text().splitlines()
+            if old != new:
+                line = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+                differences[name] = (
+                    f"line {line + 1}: committed {old[line : line + 1]} regenerated {new[line : line + 1]}"
+                )
+    return differences
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="regenerate into a scratch copy and compare")
+    options = parser.parse_args(argv)
+    if options.check:
+        differences = check()
+        for name, why in differences.items():
+            print(f"[regenerate] {name} differs from what its records give: {why}")
+        _not_regenerable()
+        if differences:
+            raise SystemExit(f"{len(differences)} committed summaries differ: python -m benchmarks.regenerate")
+        print("[regenerate] every regenerable summary equals what its records give")
+        return
+    for name in regenerate():
+        print(f"[regenerate] wrote {name}")
+    _not_regenerable()
+
+
+def _not_regenerable() -> None:
+    for name, why in NOT_REGENERABLE.items():
+        if not _has_runs(RESULTS / name.split("/")[0]):
+            print(f"[regenerate] {name} not regenerable: {why}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

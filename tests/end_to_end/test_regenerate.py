@@ -1,0 +1,35 @@
+"""``python -m benchmarks.regenerate``: the committed summaries and tables are what the committed records give."""
+
+import json
+import shutil
+
+from benchmarks import regenerate
+
+
+def test_committed_summaries_equal_what_their_records_regenerate():
+    assert regenerate.check() == {}
+
+
+def test_check_names_a_summary_edited_by_hand_and_regenerate_restores_it(tmp_path):
+    results = tmp_path / "results"
+    shutil.copytree(regenerate.RESULTS / "staleness" / "confirmation", results / "staleness" / "confirmation")
+    (results / "proximal_map").mkdir()
+    shutil.copy(regenerate.RESULTS / "proximal_map" / "summary.json", results / "proximal_map")
+    assert regenerate.check(results) == {"proximal_map/families.md": "not committed",
+                                         "proximal_map/families.json": "not committed"}  # fmt: skip
+    made = regenerate.regenerate(results)
+    assert set(made) == {"staleness/confirmation/summary.md", "staleness/confirmation/summary.json",
+                         "proximal_map/families.md", "proximal_map/families.json"}  # fmt: skip
+    assert regenerate.check(results) == {}
+    summary = results / "staleness" / "confirmation" / "summary.md"
+    committed = summary.read_text()
+    assert "-0.014 [-0.237, +0.210]" in committed  # the pre-registered comparison, exact t quantile (1 dof)
+    summary.write_text(committed.replace("-0.014 [-0.237, +0.210]", "-0.014 [-0.212, +0.185]"))
+    differences = regenerate.check(results)
+    assert list(differences) == ["staleness/confirmation/summary.md"] and "-0.237" in differences[
+        "staleness/confirmation/summary.md"]  # fmt: skip
+    families = json.loads((results / "proximal_map" / "families.json").read_text())
+    cells = families["families"]["loglinear - recompute, final"]
+    assert len(cells) == 16 and sum(c["verdict"] == "difference" for c in cells) == 6
+    regenerate.regenerate(results)
+    assert summary.read_text() == committed
