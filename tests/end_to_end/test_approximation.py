@@ -33,7 +33,7 @@ def test_quick_approximation_run_records_the_error_by_anchor_age(tokenizer, tmp_
     summary = (out / "summary.md").read_text()
     # by age, over the stale batches only: one step of each age for k4, three for iter2
     assert "| k4-lrhi | 4 x 1 | 0.001 | 3 | 1 |" in summary and "| iter2-lrlo | 1 x 2 | 0.0002 | 1 | 3 |" in summary
-    # the README's table: one row per configuration, one column per anchor age (iter2 has no age 2 or 3)
+    # the compact table: one row per configuration, one column per anchor age (iter2 has no age 2 or 3)
     assert "| configuration | age 0 | age 1 | age 2 | age 3 | age 1 error / drift per step |" in summary
     k4_error = k4["steps"][7]["a3po/anchor_approx_logp_abs_error"]
     k4_row = next(line for line in summary.splitlines() if line.startswith("| k4-lrhi | 0."))
