@@ -2,6 +2,9 @@
 
 - ``runner``: the one resumable configuration x seed runner: a study's cells, one subprocess per run, its record back
   on stdout, one JSON file per finished run, resuming; the machine's load recorded for every run;
+- ``intervals``: t intervals over seeds (scipy's exact quantile), paired differences, t-test p-values, Holm's
+  correction within a family, two one-sided tests of equivalence against a declared margin;
+- ``study_plot``: the staleness study's plot (held-out and training reward per staleness bound);
 - ``machine``: CPU used by other processes during a run, waiting for a quiet machine, what the machine is;
 - ``internals``: every name of ``a3po_trl``'s internals that a benchmark reads (the engine's counters, the generator's
   backend, the source locations a profile is sorted by), so that a rename in the package is fixed here once;

@@ -25,6 +25,10 @@ SMOKE_TESTS = {
         "tests/end_to_end/test_proximal_map.py",
         "test_quick_map_records_the_schedule_summarizes_with_intervals_and_resumes",
     ),
+    "regenerate": (
+        "tests/end_to_end/test_regenerate.py",
+        "test_committed_summaries_equal_what_their_records_regenerate",
+    ),
     "same_runs": ("tests/end_to_end/test_proximal_map.py", "test_same_runs_names_the_first_step_where_two_runs_part"),
     "soak": ("tests/end_to_end/test_soak.py", "test_short_soak_has_no_leaks"),
     "staleness": (
