@@ -47,6 +47,12 @@ def test_quick_map_records_the_schedule_summarizes_with_intervals_and_resumes(tm
     summary = (out / "summary.md").read_text()
     assert "| 2 | loglinear - recompute |" in summary and "[" in summary and (out / "proximal_map.png").stat().st_size
     assert "Missing runs" not in summary
+    # the Holm families and the equivalence test, from the same differences (2 seeds: one degree of freedom)
+    families = json.loads((out / "families.json").read_text())["families"]
+    assert [len(families[f"loglinear - recompute, {outcome}"]) for outcome in ("final", "auc")] == [1, 1]
+    cell = families["loglinear - recompute, final"][0]
+    assert cell["holm_p"] == cell["p"] and cell["verdict"] in ("difference", "equivalent", "not resolved")
+    assert "| loglinear - recompute, final | 1 |" in (out / "families.md").read_text()
     again = subprocess.run(command, check=True, timeout=300, env=env, capture_output=True, text=True, cwd=ROOT)
     assert "(1 of" not in again.stdout and "(1 of" in first.stdout  # finished runs are not run again
     with pytest.raises(subprocess.CalledProcessError):  # other settings never mix into these runs
