@@ -49,8 +49,8 @@ from .generation.weights.memory_plan import GeneratorSetup, free_device_memory, 
 from .generation.weights.version_checkpoint import load_kept_versions
 from .patches import align_position_ids_with_generation, cast_lm_head_to_fp32, peft_base_model
 from .rollout import RolloutSettings, decode_completions, run_rollout
-from .rollout.multi_turn import AgentSettings
 from .rollout.dynamic_sampling import DynamicSampler, resolve_group_filter
+from .rollout.multi_turn import AgentSettings
 from .rollout.prompt_batches import repeated_prompt_batches
 from .rollout.prompt_draws import load_prompt_draws
 from .rollout.seeds import sampling_seeds

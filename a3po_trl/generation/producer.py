@@ -217,9 +217,9 @@ class BatchProducer:
         return error
 
     def draw_starts(self) -> dict[int, int]:
-        """``{batch index: prompt batches drawn before it, from the first_draw}`` for every batch begun so far, and the batch after the
-        last one finished (what a checkpoint keeps, so that a resumed run draws where the batch it restarts at
-        drew)."""
+        """``{batch index: prompt batches drawn before it, counted from first_draw}`` for every batch begun so far,
+        and the batch after the last one finished (what a checkpoint keeps, so that a resumed run draws where the
+        batch it restarts at drew)."""
         with self._draw_lock:
             return dict(self._draw_starts)
 

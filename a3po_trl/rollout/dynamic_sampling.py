@@ -35,7 +35,7 @@ GroupFilter = Callable[[torch.Tensor], bool]
 rewards (NaN where a reward function returned None)."""
 
 
-# ---- the filter ------------------------------------------------------------------------------------------------------
+# ---- the filter -----------------------------------------------------------------------------------------------------
 def resolve_group_filter(setting) -> GroupFilter | None:
     """``dynamic_sampling_filter`` as a function: ``None`` (the default filter, :func:`keep_groups`'s), a callable as
     it is, or a dotted import path (``my_module.keep_group``, the working directory on ``sys.path`` as for reward
@@ -151,7 +151,7 @@ class GroupAccumulator:
         return rejected - filler
 
 
-# ---- the batch, from the chosen groups of the scored draws -----------------------------------------------------------
+# ---- the batch, from the chosen groups of the scored draws ----------------------------------------------------------
 #: How each tensor of a scored batch is padded: ``(side, value)``; ``None`` for the pad token id.
 _PADDING = {
     "prompt_ids": ("left", None),
@@ -211,7 +211,7 @@ def merge_groups(
     timings: dict[str, float] = {}
     extra_logs: dict[str, list] = {}
     logged_metrics: dict[str, list[float]] = {}
-    for d, batch in enumerate(draws):
+    for batch in draws:
         for key, seconds in batch.timings.items():
             timings[key] = timings.get(key, 0.0) + seconds
         for name, values in batch.logged_metrics.items():
@@ -219,7 +219,7 @@ def merge_groups(
     for column in {column for batch in draws for column in batch.extra_logs}:
         per_row = all(len(draws[d].extra_logs.get(column, ())) == draws[d].is_truncated.numel() for d in used)
         if per_row:
-            extra_logs[column] = gather_lists(lambda b: b.extra_logs[column])
+            extra_logs[column] = gather_lists(lambda b, column=column: b.extra_logs[column])
         else:  # not one value per completion: kept as logged
             extra_logs[column] = [v for d in used for v in draws[d].extra_logs.get(column, [])]
     merged = ScoredBatch(
