@@ -356,6 +356,42 @@ def test_tools_train_with_tool_results_masked_out_of_the_loss(tool_tokenizer, tm
     assert loss_with(model_positions) != unchanged
 
 
+def test_dynamic_sampling_keeps_each_trajectorys_tool_mask_and_versions(tool_tokenizer, tmp_path):
+    """Tool-calling groups merged from several draws: each row keeps its own tool mask and token versions."""
+
+    def reward(completions, prompts, **kwargs):  # messages per trajectory for odd prompts; even ones are flat
+        numbers = [int(p[0]["content"].split()[0]) for p in prompts]
+        return [float(len(c)) if n % 2 else 0.0 for n, c in zip(numbers, completions)]
+
+    trainer = make_tool_trainer(
+        tool_tokenizer,
+        tmp_path,
+        mixed_script,
+        tools=[multiply],
+        reward_funcs=[reward],
+        dynamic_sampling=True,
+        per_device_train_batch_size=6,
+        max_steps=2,
+    )
+    seen = record_inputs(trainer)
+    trainer.train()
+    assert logged(trainer, "frac_reward_zero_std") == [0.0, 0.0]
+    assert sum(logged(trainer, "a3po/dynamic_sampling_filtered_groups")) > 0
+    for inputs in seen:
+        called = 0
+        for row in range(6):
+            ids = inputs["completion_ids"][row][inputs["completion_mask"][row].bool()].tolist()
+            mask = inputs["tool_mask"][row][: len(ids)].tolist()
+            versions = inputs["token_versions"][row][: len(ids)].tolist()
+            if "<tool_response>" in tool_tokenizer.decode(ids):
+                called += 1
+                assert "<tool_response>" in tool_tokenizer.decode([t for t, m in zip(ids, mask) if m == 0])
+                assert all((v == NO_VERSION) == (m == 0) for v, m in zip(versions, mask))
+            else:
+                assert mask == [1] * len(ids) and NO_VERSION not in versions
+        assert called == 4  # two of each group's three trajectories call the tool
+
+
 def test_a_weight_update_during_a_tool_call_stales_the_trajectory_token_by_token(tool_tokenizer, tmp_path):
     """Batch 1's tool waits until the trainer publishes version 1: its first turn is version 0, its second version 1,
     and at step 1 they train with staleness 1 and 0."""
