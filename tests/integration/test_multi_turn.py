@@ -363,10 +363,18 @@ def test_dynamic_sampling_keeps_each_trajectorys_tool_mask_and_versions(tool_tok
         numbers = [int(p[0]["content"].split()[0]) for p in prompts]
         return [float(len(c)) if n % 2 else 0.0 for n, c in zip(numbers, completions)]
 
+    def script(text):  # every other row calls the tool, whose result has as many digits as the prompt's number + 1
+        if "<tool_response>" in text:
+            return DONE
+        number = int(text.split(" times 2?")[0].split()[-1])
+        row = script.counter = getattr(script, "counter", -1) + 1
+        call = CALL.format(name="multiply", arguments=f'{{"a": 1, "b": {10**number}}}')
+        return call if row % 2 == 0 else "I don't know any tool<|im_end|>"
+
     trainer = make_tool_trainer(
         tool_tokenizer,
         tmp_path,
-        mixed_script,
+        script,
         tools=[multiply],
         reward_funcs=[reward],
         dynamic_sampling=True,
@@ -385,11 +393,13 @@ def test_dynamic_sampling_keeps_each_trajectorys_tool_mask_and_versions(tool_tok
             versions = inputs["token_versions"][row][: len(ids)].tolist()
             if "<tool_response>" in tool_tokenizer.decode(ids):
                 called += 1
-                assert "<tool_response>" in tool_tokenizer.decode([t for t, m in zip(ids, mask) if m == 0])
+                tool_text = tool_tokenizer.decode([t for t, m in zip(ids, mask) if m == 0])
+                assert "<tool_response>" in tool_text and "</tool_response>" in tool_text
+                assert "tool_response" not in tool_tokenizer.decode([t for t, m in zip(ids, mask) if m == 1])
                 assert all((v == NO_VERSION) == (m == 0) for v, m in zip(versions, mask))
             else:
                 assert mask == [1] * len(ids) and NO_VERSION not in versions
-        assert called == 4  # two of each group's three trajectories call the tool
+        assert called >= 2
 
 
 def test_a_weight_update_during_a_tool_call_stales_the_trajectory_token_by_token(tool_tokenizer, tmp_path):
