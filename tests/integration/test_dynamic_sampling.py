@@ -34,9 +34,15 @@ def constant_reward(completions, **kwargs):
     return [1.0] * len(completions)
 
 
-def test_every_trained_group_carries_signal_and_the_filtered_ones_are_counted(tokenizer, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_every_trained_group_carries_signal_and_the_filtered_ones_are_counted(tokenizer, tmp_path, lora):
     draws = []
-    trainer = make_trainer(tokenizer, tmp_path, reward_funcs=(half_flat_reward(draws),), **SETTINGS)
+    model = make_model(tokenizer)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    trainer = make_trainer(tokenizer, tmp_path, reward_funcs=(half_flat_reward(draws),), model=model, **SETTINGS)
     trainer.train()
     assert trainer.state.global_step == 4
     drawn = [answer for draw in draws for answer in draw]
