@@ -172,6 +172,18 @@ def _pad_width(tensor: torch.Tensor, width: int, side: str, value) -> torch.Tens
     return F.pad(tensor, (missing, 0) if side == "left" else (0, missing), value=value)
 
 
+def _tensor_or_default(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """A draw's tensor ``name``, or what its absence means: no ``tool_mask`` is every token trained, no
+    ``sampling_logps`` is sampling from the distribution the behavior log-probs score."""
+    if name in tensors:
+        return tensors[name]
+    if name == "tool_mask":
+        return torch.ones_like(tensors["completion_mask"])
+    if name == "sampling_logps":
+        return tensors["behavior_logps"]
+    raise ValueError(f"A generation batch drawn for dynamic sampling has no {name!r}, another one has.")
+
+
 def merge_groups(
     draws: list[ScoredBatch], selection: list[tuple[int, int]], num_generations: int, pad_token_id: int
 ) -> ScoredBatch:
@@ -191,11 +203,12 @@ def merge_groups(
 
     first = draws[0]
     tensors = {}
-    for name in first.tensors:
+    for name in dict.fromkeys(name for d in used for name in draws[d].tensors):
         side, value = _PADDING.get(name, ("right", 0))
         value = pad_token_id if value is None else value
-        width = max(draws[d].tensors[name].size(1) for d in used)
-        padded = {d: _pad_width(draws[d].tensors[name], width, side, value) for d in used}
+        parts = {d: _tensor_or_default(draws[d].tensors, name) for d in used}
+        width = max(part.size(1) for part in parts.values())
+        padded = {d: _pad_width(part, width, side, value) for d, part in parts.items()}
         tensors[name] = torch.stack([padded[d][r] for d, r in order])
     rows = len(order)
     tool_stats = None

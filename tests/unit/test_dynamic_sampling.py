@@ -141,7 +141,9 @@ def scored(prompt_width, completion_width, rewards, version, tag):
 def test_merged_rows_keep_their_tokens_versions_and_behavior_logps_repadded():
     first = scored(2, 3, [1.0, 1.0, 0.0, 1.0], version=0, tag="a")  # groups of 2: flat, signal
     second = scored(4, 5, [0.0, 2.0, 3.0, 3.0], version=2, tag="b")  # signal, flat
+    second.tensors["tool_mask"] = torch.tensor([[1, 0, 0, 1, 1]] * 4)  # a rollout_func's env_mask, in one draw
     merged = merge_groups([first, second], [(0, 1), (1, 0)], num_generations=2, pad_token_id=0)
+    assert merged.tensors["tool_mask"].tolist() == [[1] * 5] * 2 + [[1, 0, 0, 1, 1]] * 2
     assert merged.texts["prompt"] == ["a2", "a3", "b0", "b1"] == [row["prompt"] for row in merged.rows]
     assert merged.extra_logs["note"] == ["a2", "a3", "b0", "b1"]
     assert merged.rewards_per_func.view(-1).tolist() == [0.0, 1.0, 0.0, 2.0]
