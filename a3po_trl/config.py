@@ -447,6 +447,15 @@ class AsyncA3POConfig(GRPOConfig):
             values["generation_batch_size"] = None
         return cls(**{**values, **overrides})
 
+    def to_dict(self):
+        """As ``TrainingArguments.to_dict`` (what loggers and ``to_json_string`` write), with a
+        ``dynamic_sampling_filter`` function written as its import path."""
+        values = super().to_dict()
+        custom = values.get("dynamic_sampling_filter")
+        if callable(custom):
+            values["dynamic_sampling_filter"] = f"{custom.__module__}.{custom.__qualname__}"
+        return values
+
     def _check_dynamic_sampling(self):
         value = self.dynamic_sampling_max_gen_batches
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

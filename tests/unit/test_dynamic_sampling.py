@@ -2,6 +2,7 @@
 groups make a batch (the bound and its flat filler), the merged batch, and the producer's refills with a stand-in
 backend (each refill a new prompt batch, with the newest published weights). No model, no trainer."""
 
+import json
 import logging
 
 import pytest
@@ -76,7 +77,10 @@ def test_config_validates_the_bound_and_a_filter_that_a_checkpoint_cannot_save(t
             config(dynamic_sampling_max_gen_batches=bad)
     with pytest.raises(ValueError, match="define the function at module level"):
         config(dynamic_sampling_filter=lambda rewards: True)
-    assert config(dynamic_sampling_filter=keep_if_any_positive).dynamic_sampling_max_gen_batches == 10
+    custom = config(dynamic_sampling_filter=keep_if_any_positive)
+    assert custom.dynamic_sampling_max_gen_batches == 10
+    # loggers (TensorBoard) write the config as JSON: the function as its import path
+    assert json.loads(custom.to_json_string())["dynamic_sampling_filter"] == f"{__name__}.keep_if_any_positive"
     assert not AsyncA3POConfig(str(tmp_path), use_cpu=True).dynamic_sampling
 
 
