@@ -49,8 +49,10 @@ from .generation.weights.memory_plan import GeneratorSetup, free_device_memory, 
 from .generation.weights.version_checkpoint import load_kept_versions
 from .patches import align_position_ids_with_generation, cast_lm_head_to_fp32, peft_base_model
 from .rollout import RolloutSettings, decode_completions, run_rollout
+from .rollout.dynamic_sampling import DynamicSampler, resolve_group_filter
 from .rollout.multi_turn import AgentSettings
 from .rollout.prompt_batches import repeated_prompt_batches
+from .rollout.prompt_draws import load_prompt_draws
 from .rollout.seeds import sampling_seeds
 
 logger = logging.getLogger(__name__)
@@ -279,22 +281,37 @@ def build_batch_producer(trainer, plan: RunPlan) -> tuple[BatchProducer, dict]:
     checkpoint), to publish again before the current weights (``earlier_versions`` of :meth:`BatchProducer.start`)."""
     args = trainer.args
     planned = plan.batches
-    batches_per_epoch = max(trainer._steps_in_epoch // plan.micro_steps_per_batch, 1)
-
-    def batch_number(index: int) -> int:
-        return planned[index].epoch * batches_per_epoch + planned[index].index_in_epoch
-
+    batch_number = batch_numbers(trainer, plan)
+    local_batch_size = args.per_device_train_batch_size * args.steps_per_generation
+    process, processes = trainer.accelerator.process_index, trainer.accelerator.num_processes
+    first_draw = batch_number(0) if planned else 0
+    drawn = load_prompt_draws(trainer._resume_checkpoint, process, processes)
+    if drawn is not None and planned:  # the checkpoint's run drew a varying number of prompt batches per batch
+        first_draw = drawn.get(batch_number(0), first_draw)
     prompt_batches = repeated_prompt_batches(
         trainer.train_dataset,
         num_generations=trainer.num_generations,
-        local_batch_size=args.per_device_train_batch_size * args.steps_per_generation,
-        process_index=trainer.accelerator.process_index,
-        num_processes=trainer.accelerator.num_processes,
+        local_batch_size=local_batch_size,
+        process_index=process,
+        num_processes=processes,
         shuffle=trainer.shuffle_dataset,
         seed=args.seed,
-        skip_batches=batch_number(0) if planned else 0,
+        skip_batches=first_draw,
     )
-    settings = rollout_settings(trainer, batch_number)
+    refill = None
+    if args.dynamic_sampling:
+        # every prompt batch a process draws has its own seed, from its position in the process's prompt stream
+        settings = rollout_settings(trainer, lambda draw: first_draw + draw)
+        refill = DynamicSampler(
+            groups_needed=local_batch_size // trainer.num_generations,
+            num_generations=trainer.num_generations,
+            max_draws=args.dynamic_sampling_max_gen_batches,
+            reward_weights=trainer.reward_weights.detach().float().cpu(),
+            pad_token_id=trainer._tokenizer.pad_token_id,
+            group_filter=resolve_group_filter(args.dynamic_sampling_filter),
+        ).fill
+    else:
+        settings = rollout_settings(trainer, batch_number)
     # A resumed reproducible run regenerates its next batches with the versions the checkpoint kept for them.
     earlier = load_kept_versions(trainer._resume_checkpoint) if args.reproducible_generation else {}
     first_version = min([*earlier, trainer.state.global_step])
@@ -310,8 +327,32 @@ def build_batch_producer(trainer, plan: RunPlan) -> tuple[BatchProducer, dict]:
         poll_interval=args.generation_poll_interval,
         exact_versions=args.reproducible_generation,
         timeline=trainer.timeline,
+        refill=refill,
+        first_draw=first_draw,
     )
     return producer, earlier
+
+
+def batch_numbers(trainer, plan: RunPlan):
+    """``batch_number(index)``: the global number of batch ``index`` of the run ``plan`` describes (its position in
+    the sampler's order over epochs)."""
+    batches_per_epoch = max(trainer._steps_in_epoch // plan.micro_steps_per_batch, 1)
+
+    def batch_number(index: int) -> int:
+        return plan.batches[index].epoch * batches_per_epoch + plan.batches[index].index_in_epoch
+
+    return batch_number
+
+
+def prompt_draws_to_keep(trainer) -> dict[int, int]:
+    """``{global batch number: prompt batches this process drew before it}`` for the batches a run resumed from a
+    checkpoint taken now may restart at (the one being trained and those after it), for the checkpoint."""
+    producer, plan = trainer._producer, trainer._plan
+    if producer is None or plan is None:
+        return {}
+    number = batch_numbers(trainer, plan)
+    oldest = max(producer.consumed - 1, 0)
+    return {number(i): draws for i, draws in producer.draw_starts().items() if oldest <= i < len(plan.batches)}
 
 
 # ---- the rollout ---------------------------------------------------------------------------------------------------

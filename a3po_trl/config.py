@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import pickle
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
@@ -168,6 +169,28 @@ class AsyncA3POConfig(GRPOConfig):
             uses must not be bound to the thread that created them). `None` runs tools in the generation thread with
             no limit, as GRPOTrainer does: a tool that never returns then stalls training.
 
+        > Parameters that control dynamic sampling (DAPO's; verl's `filter_groups`)
+
+        dynamic_sampling (`bool`, *optional*, defaults to `False`):
+            Train only on groups that carry a reward signal: the generation thread drops the groups the filter
+            rejects (by default those whose completions all get the same weighted reward sum, so zero advantage on
+            every token) and draws further generation batches (new prompts, with the newest published weights;
+            exactly the batch's version with `reproducible_generation=True`) until each process's batch is full of
+            groups that pass, at most `dynamic_sampling_max_gen_batches` per training batch; the surplus of the last
+            draw is discarded. At that bound the batch is completed with the flat groups drawn last, with a warning
+            and the `a3po/dynamic_sampling_bound_reached` metric. `scale_rewards="batch"` and the loss normalisation
+            are computed over the groups kept. The prompt stream's epochs count the prompts drawn, not those trained
+            (`num_train_epochs` still sets the optimizer steps).
+        dynamic_sampling_filter (`str`, callable or `None`, *optional*, defaults to `None`):
+            Which groups dynamic sampling keeps: `None` keeps those whose weighted reward sum has a non-zero standard
+            deviation; otherwise a function `keep(rewards) -> bool` of a group's `(num_generations,
+            num_reward_funcs)` raw rewards (NaN where a reward function returned None), or its dotted import path
+            (`my_module.keep_group`, e.g. on the command line). A function must be defined at module level (the
+            config is saved with every checkpoint).
+        dynamic_sampling_max_gen_batches (`int`, *optional*, defaults to `10`):
+            Most generation batches a process draws for one training batch with dynamic sampling (verl's
+            `max_num_gen_batches`); at least 1.
+
         > Parameters that control monitoring
 
         timeline (`bool`, *optional*, defaults to `True`):
@@ -287,6 +310,27 @@ class AsyncA3POConfig(GRPOConfig):
         },
     )
 
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "Train only on groups with a reward signal: drop groups the filter rejects (by default, zero "
+            "reward std) and draw more generation batches until the batch is full, at most "
+            "dynamic_sampling_max_gen_batches per training batch."
+        },
+    )
+    dynamic_sampling_filter: str | None = field(
+        default=None,
+        metadata={
+            "help": "Which groups dynamic sampling keeps: None (non-zero std of the weighted reward sum), or a "
+            "function keep(rewards) -> bool of a group's (num_generations, num_reward_funcs) rewards, or its dotted "
+            "import path."
+        },
+    )
+    dynamic_sampling_max_gen_batches: int = field(
+        default=10,
+        metadata={"help": "Most generation batches drawn per training batch with dynamic sampling (>= 1)."},
+    )
+
     timeline: bool = field(
         default=True,
         metadata={
@@ -333,6 +377,7 @@ class AsyncA3POConfig(GRPOConfig):
             raise ValueError(
                 f"tool_call_timeout={self.tool_call_timeout} must be a positive number of seconds, or None (no limit)."
             )
+        self._check_dynamic_sampling()
         local_batch = self.per_device_train_batch_size * self.steps_per_generation
         if local_batch % self.num_generations:
             raise ValueError(
@@ -401,6 +446,39 @@ class AsyncA3POConfig(GRPOConfig):
         else:
             values["generation_batch_size"] = None
         return cls(**{**values, **overrides})
+
+    def to_dict(self):
+        """As ``TrainingArguments.to_dict`` (what loggers and ``to_json_string`` write), with a
+        ``dynamic_sampling_filter`` function written as its import path."""
+        values = super().to_dict()
+        custom = values.get("dynamic_sampling_filter")
+        if callable(custom):
+            values["dynamic_sampling_filter"] = f"{custom.__module__}.{custom.__qualname__}"
+        return values
+
+    def _check_dynamic_sampling(self):
+        value = self.dynamic_sampling_max_gen_batches
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"dynamic_sampling_max_gen_batches={value!r} must be an integer >= 1 (the most generation batches "
+                "drawn to fill one training batch with dynamic sampling; 10 by default, as verl's "
+                "max_num_gen_batches)."
+            )
+        custom = self.dynamic_sampling_filter
+        if custom is None or isinstance(custom, str):
+            return
+        if not callable(custom):
+            raise ValueError(
+                f"dynamic_sampling_filter={custom!r} must be None, a function keep(rewards) -> bool, or the dotted "
+                "import path of one."
+            )
+        try:
+            pickle.dumps(custom)
+        except Exception as error:
+            raise ValueError(
+                f"dynamic_sampling_filter={custom!r} cannot be saved with a checkpoint ({error}): define the "
+                "function at module level (not a lambda or a nested function), or give its dotted import path."
+            ) from error
 
     def _check_generation_kwargs_temperature(self):
         """``generation_kwargs`` override the sampling settings, so a temperature there is the one ``generate``

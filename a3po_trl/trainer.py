@@ -32,7 +32,15 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
-from .builders import RunPlan, build_backend, build_batch_producer, plan_run, uses_fsdp2, weight_gather
+from .builders import (
+    RunPlan,
+    build_backend,
+    build_batch_producer,
+    plan_run,
+    prompt_draws_to_keep,
+    uses_fsdp2,
+    weight_gather,
+)
 from .checkpoints import resolve_resume_checkpoint, save_checkpoint_atomically
 from .config import AsyncA3POConfig, trainer_config
 from .distributed import destroy_process_group_at_exit
@@ -42,6 +50,7 @@ from .generation.weights.names import ACTIVATION_CHECKPOINT_PREFIX, strip_checkp
 from .generation.weights.version_checkpoint import save_kept_versions
 from .losses import DecoupledLossMixin
 from .patches import align_position_ids_with_generation
+from .rollout.prompt_draws import save_prompt_draws
 from .rollout.rollout_func import generate_completions
 from .timeline import TRAINING_LANE, TimelineRecorder, TraceWriter, TrainingStepTimeline
 from .training_batch import make_training_batch
@@ -213,9 +222,14 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
     def _save_checkpoint(self, model, trial):
         def write():
             super(AsyncA3POTrainer, self)._save_checkpoint(model, trial)
+            directory = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
             if self.args.reproducible_generation and self._backend is not None and self.args.should_save:
-                directory = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
                 save_kept_versions(self._backend, directory, before=self.state.global_step)
+            if self.args.dynamic_sampling and self._producer is not None:  # every process: where its prompts stand
+                os.makedirs(directory, exist_ok=True)
+                accelerator = self.accelerator
+                draws = prompt_draws_to_keep(self)
+                save_prompt_draws(directory, accelerator.process_index, accelerator.num_processes, draws)
 
         with self.timeline.span(TRAINING_LANE, "save checkpoint", step=self.state.global_step):
             save_checkpoint_atomically(self, trial, write)

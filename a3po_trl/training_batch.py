@@ -14,7 +14,8 @@ order, each a function of its own:
 4. :func:`count_loss_tokens`: the generation batch's loss tokens over every process (``num_items_in_batch``);
 5. the batch's schedule tags, for the loss's proximal log-probs;
 6. :func:`reference_logps`: the reference model's log-probs (``beta != 0``);
-7. :func:`log_batch`: GRPOTrainer's batch metrics, the generator's timings, the completions table.
+7. :func:`log_batch`: GRPOTrainer's batch metrics, the generator's timings, the completions table (with dynamic
+   sampling, what filling the batch took: :func:`~a3po_trl.metrics.batch.dynamic_sampling_metrics`).
 
 The collectives run in the same order on every process.
 """
@@ -28,7 +29,7 @@ from trl.trainer.utils import use_adapter
 from .builders import deferred_reward_columns
 from .functional import group_advantages
 from .generation.schedule import PlannedBatch
-from .metrics.batch import batch_metrics, tool_metrics
+from .metrics.batch import batch_metrics, dynamic_sampling_metrics, tool_metrics
 from .rollout.scoring import score_with_reward_model, warn_about_unscorable_rows
 from .timeline import TRAINING_LANE
 from .types import ScoredBatch
@@ -68,6 +69,10 @@ def make_training_batch(
             data["ref_per_token_logps"] = reference_logps(trainer, input_ids, attention_mask, logits_to_keep)
 
     values = {**agent_values, "async/weight_sync_time": weight_sync_seconds}
+    if trainer.args.dynamic_sampling:
+        args = trainer.args
+        steps = args.steps_per_generation * trainer.num_iterations / args.gradient_accumulation_steps
+        values.update(dynamic_sampling_metrics(trainer.accelerator, scored.sampling_stats, steps))
     log_batch(trainer, scored, waited, data, is_truncated, completion_lengths, rewards_per_func, is_std_zero, values)
     log_reward_function_outputs(trainer, scored, rewards_per_func, advantages)
     return data

@@ -78,3 +78,6 @@ class ScoredBatch:
     """Values reward functions logged (``log_metric``)."""
     environments: list | None = None
     """The environment instances of the batch's rollouts (``environment_factory``), or None."""
+    sampling_stats: dict[str, float] = field(default_factory=dict)
+    """With dynamic sampling, what filling the batch took on this process (``draws``, ``filtered_groups``,
+    ``bound_reached``, ``prompts_drawn``: see :mod:`a3po_trl.rollout.dynamic_sampling`); empty otherwise."""

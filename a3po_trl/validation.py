@@ -185,7 +185,28 @@ def check_trainer(trainer) -> None:
                 f"{trainer.num_generations}). Add prompts or lower per_device_train_batch_size or "
                 "steps_per_generation."
             )
+    _check_dynamic_sampling(trainer)
     _warn_about_dropout(trainer)
+
+
+def _check_dynamic_sampling(trainer) -> None:
+    """Dynamic sampling filters groups in the generation thread, so every reward must be scored there: a reward
+    model whose forward is a collective (partitioned by ZeRO-3, sharded by FSDP2) is scored in the main thread."""
+    args = trainer.args
+    if not args.dynamic_sampling:
+        return
+    from .rollout.dynamic_sampling import resolve_group_filter
+
+    resolve_group_filter(args.dynamic_sampling_filter)  # a dotted path that does not import fails now
+    zero3 = trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
+    fsdp2 = trainer.is_fsdp_enabled and trainer.accelerator.is_fsdp2
+    if (zero3 or fsdp2) and any(isinstance(func, nn.Module) for func in trainer.reward_funcs):
+        raise NotImplementedError(
+            "dynamic_sampling=True with a reward model under "
+            f"{'DeepSpeed ZeRO-3' if zero3 else 'FSDP2'} is not supported: the groups are filtered in the generation "
+            "thread, but such a reward model's forward is a collective, scored in the main thread. Use reward "
+            "functions, a reward model under DDP or ZeRO-1/2, or set dynamic_sampling=False."
+        )
 
 
 def _warn_about_dropout(trainer) -> None:

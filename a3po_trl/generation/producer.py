@@ -40,9 +40,10 @@ class BatchProducer:
     Args:
         backend: what generates (see :class:`GenerationBackend`), holding the published weights.
         prompt_batches: iterator of local generation batches (lists of dataset rows).
-        rollout: ``rollout(backend, rows, should_stop, trainer_state, index) -> ScoredBatch`` (index and version
+        rollout: ``rollout(backend, rows, should_stop, trainer_state, draw) -> ScoredBatch`` (index and version
             filled in here), with ``trainer_state`` the trainer state published with the weights' version (see
-            :meth:`GenerationBackend.publish`) and ``index`` the batch's position in the run.
+            :meth:`GenerationBackend.publish`) and ``draw`` the position in the run of the prompt batch ``rows`` was
+            drawn as (the batch's position in the run, unless ``refill`` draws more than one per batch).
         min_version: ``min_version(i)`` is the oldest weight version allowed to generate batch ``i``.
         num_batches: how many batches this run needs.
         queue_size: bound of the sample queue.
@@ -54,6 +55,10 @@ class BatchProducer:
         poll_interval: seconds between health checks while waiting.
         timeline: where the producer records its spans (each batch, its waits and weight loads, and the trainer's
             wait for it); backends and rollouts record their parts inside the batch's span. ``None``: not recorded.
+        refill: dynamic sampling (:class:`~a3po_trl.rollout.dynamic_sampling.DynamicSampler`'s ``fill``):
+            ``refill(first, draw_more) -> ScoredBatch`` makes the batch from its first scored draw, calling
+            ``draw_more()`` for each further one; each further draw loads the newest published weights (exactly the
+            batch's version with ``exact_versions``) and takes the next prompt batch. ``None``: one draw per batch.
     """
 
     def __init__(
@@ -69,6 +74,8 @@ class BatchProducer:
         poll_interval: float = 0.1,
         exact_versions: bool = False,
         timeline: TimelineRecorder | None = None,
+        refill: Callable[[ScoredBatch, Callable[[], ScoredBatch]], ScoredBatch] | None = None,
+        first_draw: int = 0,
     ):
         self.backend = backend
         self.prompt_batches = prompt_batches
@@ -81,6 +88,7 @@ class BatchProducer:
         self.poll_interval = poll_interval
         self.exact_versions = exact_versions
         self.timeline = timeline if timeline is not None else TimelineRecorder(enabled=False)
+        self.refill = refill
         backend.keep_versions = exact_versions
         self._last_needed_version = max((min_version(i) for i in range(num_batches)), default=-1)
         """With ``exact_versions``, no batch is generated with a newer version than this."""
@@ -99,6 +107,11 @@ class BatchProducer:
         """Batches handed to the trainer so far."""
         self.schedule_misses = 0
         """Batches generated with older weights than ``min_version`` asked for, because the trainer needed them."""
+        self.first_draw = first_draw
+        self.draws = 0
+        """Prompt batches drawn in this run so far (one per batch, more with ``refill``)."""
+        self._draw_starts: dict[int, int] = {}
+        self._draw_lock = threading.Lock()
 
     # ---- main thread -------------------------------------------------------------------------------------------
     def start(self, module: torch.nn.Module, version: int, trainer_state: Any = None, earlier_versions=None) -> None:
@@ -203,6 +216,13 @@ class BatchProducer:
             return None
         return error
 
+    def draw_starts(self) -> dict[int, int]:
+        """``{batch index: prompt batches drawn before it, counted from first_draw}`` for every batch begun so far,
+        and the batch after the last one finished (what a checkpoint keeps, so that a resumed run draws where the
+        batch it restarts at drew)."""
+        with self._draw_lock:
+            return dict(self._draw_starts)
+
     @property
     def thread(self) -> threading.Thread | None:
         return self._thread
@@ -264,15 +284,42 @@ class BatchProducer:
             span_args.update(version=version, staleness=self._trainer_version - version)
             record_in_batch_span("wait for staleness bound", wait_start, wait_start + waited, needed_version=needed)
             record_in_batch_span("weight load", start, start + loaded)
-            rows = next(self.prompt_batches)
+            with self._draw_lock:
+                self._draw_starts[index] = self.first_draw + self.draws
             start = time.perf_counter()
-            batch = self.rollout(self.backend, rows, self._should_stop, self.backend.trainer_state, index)
+            batch = self._draw()
+            if self.refill is not None:
+                exact = needed if self.exact_versions and published else None
+                batch = self.refill(batch, lambda: self._draw_again(exact))
+            with self._draw_lock:
+                self._draw_starts[index + 1] = self.first_draw + self.draws
             batch.index = index
             batch.version = version
             batch.timings["generator_wait_for_staleness_bound"] = waited
             batch.timings["weight_load"] = loaded + batch.timings.get("weight_load", 0.0)  # + between turns
             batch.timings["rollout"] = time.perf_counter() - start
             self.produced += 1
+        return batch
+
+    def _draw(self) -> ScoredBatch:
+        """Roll out the next prompt batch with the loaded weights."""
+        rows = next(self.prompt_batches)
+        draw, self.draws = self.draws, self.draws + 1
+        return self.rollout(self.backend, rows, self._should_stop, self.backend.trainer_state, draw)
+
+    def _draw_again(self, exact: int | None) -> ScoredBatch:
+        """A further draw of the same batch (dynamic sampling): the newest published weights (``exact``: that
+        version, the batch's), then the next prompt batch. The backend is told the draw before is done, as between
+        batches."""
+        if self.stop_event.is_set():
+            raise GenerationStopped
+        self.backend.finish_batch(exact)
+        start = time.perf_counter()
+        self.backend.refresh(exact, self._should_stop)
+        loaded = time.perf_counter() - start
+        record_in_batch_span("weight load", start, start + loaded)
+        batch = self._draw()
+        batch.timings["weight_load"] = loaded + batch.timings.get("weight_load", 0.0)
         return batch
 
     def _run(self) -> None:

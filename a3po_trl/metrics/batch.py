@@ -138,3 +138,23 @@ def tool_metrics(
         "tools/tool_result_tokens_mean": tool_sum / rows,
         "a3po/multi_version_trajectories_frac": mixed_sum / rows,
     }
+
+
+def dynamic_sampling_metrics(accelerator, stats: dict[str, float], optimizer_steps_per_batch: float) -> dict:
+    """What filling one training batch took with dynamic sampling, over every process (one gather): the groups the
+    filter dropped (``a3po/dynamic_sampling_filtered_groups``, summed), the generation batches drawn beyond the first
+    (``a3po/dynamic_sampling_extra_batches``, mean per process), 1 where a process reached the bound
+    (``a3po/dynamic_sampling_bound_reached``, the largest) and the prompts drawn over every process per optimizer
+    step that trains on the batch (``a3po/dynamic_sampling_prompts_per_step``)."""
+    local = torch.tensor(
+        [stats["filtered_groups"], stats["draws"] - 1.0, stats["bound_reached"], stats["prompts_drawn"]],
+        dtype=torch.float32,
+        device=accelerator.device,
+    )
+    everyone = accelerator.gather(local.view(1, -1)).view(-1, 4)
+    return {
+        "a3po/dynamic_sampling_filtered_groups": everyone[:, 0].sum().item(),
+        "a3po/dynamic_sampling_extra_batches": everyone[:, 1].mean().item(),
+        "a3po/dynamic_sampling_bound_reached": everyone[:, 2].max().item(),
+        "a3po/dynamic_sampling_prompts_per_step": everyone[:, 3].sum().item() / optimizer_steps_per_batch,
+    }

@@ -136,3 +136,24 @@ def test_two_processes_run_multi_turn_rollouts_in_their_own_generation_threads(t
     assert 0 < sum(reports[0]["tool_call_frequency"]) < 4
     counts = reports[0]["environment_counts"] + reports[1]["environment_counts"]
     assert len(counts) == 8 and set(counts) <= {0, 1}
+
+
+def test_two_processes_fill_their_batches_by_dynamic_sampling_from_disjoint_prompts(tmp_path):
+    """DDP with dynamic sampling and a reward that is flat for every other prompt: each process draws as many
+    generation batches as it needs (a different number on each), from its own slice of the prompt stream, and both
+    train the same full batches and micro-steps."""
+    reports = _launch(tmp_path, "ddp", False, 29890, "--dynamic-sampling")
+    for r in reports:
+        assert r["global_step"] == 4 and r["batches_consumed"] == 4 and r["micro_steps"] == 4
+        assert [len(a) for a in r["local_advantages"]] == [4] * 4  # every batch full: one group of 4
+        assert r["frac_reward_zero_std"] == [0.0] * 4
+        assert len(r["drawn_prompts"]) > 4  # refills were needed
+    # logged values are reduced over both processes: the same on each
+    assert reports[0]["extra_batches"] == reports[1]["extra_batches"]
+    drawn = len(reports[0]["drawn_prompts"]) + len(reports[1]["drawn_prompts"])
+    assert sum(reports[0]["extra_batches"]) == drawn / 2 - 4  # the mean over the processes, per batch
+    # 32 prompts, one per process per draw: 16 draws per epoch of the stream, each process's prompts its own
+    for epoch in range(2):
+        slices = [r["drawn_prompts"][16 * epoch : 16 * (epoch + 1)] for r in reports]
+        assert all(len(set(drawn)) == len(drawn) for drawn in slices)
+        assert not set(slices[0]) & set(slices[1])

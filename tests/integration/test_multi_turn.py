@@ -356,6 +356,52 @@ def test_tools_train_with_tool_results_masked_out_of_the_loss(tool_tokenizer, tm
     assert loss_with(model_positions) != unchanged
 
 
+def test_dynamic_sampling_keeps_each_trajectorys_tool_mask_and_versions(tool_tokenizer, tmp_path):
+    """Tool-calling groups merged from several draws: each row keeps its own tool mask and token versions."""
+
+    def reward(completions, prompts, **kwargs):  # messages per trajectory for odd prompts; even ones are flat
+        numbers = [int(p[0]["content"].split()[0]) for p in prompts]
+        return [float(len(c)) if n % 2 else 0.0 for n, c in zip(numbers, completions)]
+
+    def script(text):  # every other row calls the tool, whose result has as many digits as the prompt's number + 1
+        if "<tool_response>" in text:
+            return DONE
+        number = int(text.split(" times 2?")[0].split()[-1])
+        row = script.counter = getattr(script, "counter", -1) + 1
+        call = CALL.format(name="multiply", arguments=f'{{"a": 1, "b": {10**number}}}')
+        return call if row % 2 == 0 else "I don't know any tool<|im_end|>"
+
+    trainer = make_tool_trainer(
+        tool_tokenizer,
+        tmp_path,
+        script,
+        tools=[multiply],
+        reward_funcs=[reward],
+        dynamic_sampling=True,
+        per_device_train_batch_size=6,
+        max_steps=2,
+    )
+    seen = record_inputs(trainer)
+    trainer.train()
+    assert logged(trainer, "frac_reward_zero_std") == [0.0, 0.0]
+    assert sum(logged(trainer, "a3po/dynamic_sampling_filtered_groups")) > 0
+    for inputs in seen:
+        called = 0
+        for row in range(6):
+            ids = inputs["completion_ids"][row][inputs["completion_mask"][row].bool()].tolist()
+            mask = inputs["tool_mask"][row][: len(ids)].tolist()
+            versions = inputs["token_versions"][row][: len(ids)].tolist()
+            if "<tool_response>" in tool_tokenizer.decode(ids):
+                called += 1
+                tool_text = tool_tokenizer.decode([t for t, m in zip(ids, mask) if m == 0])
+                assert "<tool_response>" in tool_text and "</tool_response>" in tool_text
+                assert "tool_response" not in tool_tokenizer.decode([t for t, m in zip(ids, mask) if m == 1])
+                assert all((v == NO_VERSION) == (m == 0) for v, m in zip(versions, mask))
+            else:
+                assert mask == [1] * len(ids) and NO_VERSION not in versions
+        assert called >= 2
+
+
 def test_a_weight_update_during_a_tool_call_stales_the_trajectory_token_by_token(tool_tokenizer, tmp_path):
     """Batch 1's tool waits until the trainer publishes version 1: its first turn is version 0, its second version 1,
     and at step 1 they train with staleness 1 and 0."""

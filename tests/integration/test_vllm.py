@@ -137,6 +137,37 @@ def test_training_with_vllm_keeps_the_staleness_bound_and_matches_the_engine(tok
     trainer._backend.close()
 
 
+def test_dynamic_sampling_with_a_colocated_engine_and_lora_trains_signal_carrying_groups(tokenizer, tmp_path):
+    """Refills generate with the engine (new prompts, the newest adapter) and keep the engine's log-probs."""
+    draws = []
+
+    def half_flat(completions, answer, **kwargs):  # a constant for every other prompt
+        draws.append(answer[0])
+        return [1.0 if int(a) % 4 == 3 else r for a, r in zip(answer, length_reward(completions))]
+
+    args = AsyncA3POConfig(
+        output_dir=str(tmp_path / "out"),
+        **{**COMMON, "max_steps": 3, "max_staleness": 1, "dynamic_sampling": True, "per_device_train_batch_size": 8},
+    )
+    trainer = AsyncA3POTrainer(
+        model=make_vllm_model(tokenizer),
+        reward_funcs=[half_flat],
+        args=args,
+        train_dataset=make_prompts(16),
+        processing_class=tokenizer,
+        peft_config=lora_config(),
+    )
+    try:
+        trainer.train()
+    finally:
+        trainer._backend.close()
+    assert len(draws) > 3 and any(int(a) % 4 == 3 for a in draws)  # flat groups were drawn...
+    assert logged(trainer, "frac_reward_zero_std") == [0.0] * 3  # ... and dropped
+    assert sum(logged(trainer, "a3po/dynamic_sampling_extra_batches")) == len(draws) - 3
+    mismatch = logged(trainer, "a3po/behavior_mismatch_max")
+    assert mismatch and max(mismatch) < LOGP_TOLERANCE  # rows of every draw carry the engine's log-probs
+
+
 def test_a_multi_turn_rollout_generates_every_turn_with_the_engine_and_its_logps_match(tokenizer, tmp_path):
     """A rollout_func continues each completion after appended 'environment' tokens (a second engine call on the
     longer prefix): the engine's log-probs of both turns match the trainer's forward over the whole sequence, and the

@@ -1,10 +1,14 @@
 """Train a tiny model under `accelerate launch` and write one JSON report per rank (used by test_distributed.py).
 
 accelerate launch --config_file CONFIG tests/scripts/distributed_tiny.py OUT_DIR [--lora] [--reward-model] [--tools]
+    [--dynamic-sampling]
 
 ``--tools`` trains with an environment (a counter tool and an environment-owned reward) through a scripted
 ``generate`` that calls the tool on a third of the rows: the report then says which threads ran the tool calls and
 the logged tool statistics.
+
+``--dynamic-sampling`` trains with ``dynamic_sampling=True`` and a reward that is flat for every other prompt: the
+report then holds the prompts this process drew, and how many generation batches it drew beyond one per batch.
 
 ``--reward-model`` adds a reward model beside the reward function and normalises advantages with the batch's std
 (``scale_rewards="batch"``), both of which need every process: the report then says which thread ran the reward
@@ -42,6 +46,7 @@ def main():
     lora = "--lora" in sys.argv
     with_reward_model = "--reward-model" in sys.argv
     with_tools = "--tools" in sys.argv
+    dynamic_sampling = "--dynamic-sampling" in sys.argv
     tokenizer = make_tool_tokenizer() if with_tools else make_tokenizer()
     peft_config = None
     if lora:
@@ -64,7 +69,12 @@ def main():
             return result
 
         training_batch_module.group_advantages = recording_group_advantages
-    args = distributed_script_config(out_dir, scale_rewards="batch" if with_reward_model else "group")
+    drawn = []
+    if dynamic_sampling:  # a flat reward for every other prompt: the generator draws more to fill each batch
+        reward_funcs = [_half_flat_reward(drawn)]
+    args = distributed_script_config(
+        out_dir, scale_rewards="batch" if with_reward_model else "group", dynamic_sampling=dynamic_sampling
+    )
     model, tool_threads, extra = make_model(tokenizer), [], {}
     if with_tools:
         model = make_model(tokenizer, max_position_embeddings=2048)
@@ -120,6 +130,14 @@ def main():
         "tool_call_frequency": [
             h["tools/call_frequency"] for h in trainer.state.log_history if "tools/call_frequency" in h
         ],
+        "drawn_prompts": drawn,
+        "frac_reward_zero_std": [h["frac_reward_zero_std"] for h in trainer.state.log_history if "reward" in h],
+        "extra_batches": [
+            h["a3po/dynamic_sampling_extra_batches"]
+            for h in trainer.state.log_history
+            if "a3po/dynamic_sampling_extra_batches" in h
+        ],
+        "micro_steps": trainer._step,
         "environment_rewards": [
             h["rewards/Counter/mean"] for h in trainer.state.log_history if "rewards/Counter/mean" in h
         ],
@@ -128,6 +146,17 @@ def main():
         json.dump(report, f)
     # No explicit destroy_process_group here, as in TRL's own scripts: the trainer registered it with atexit
     # (a3po_trl/distributed.py), which is what keeps gloo from aborting a rank at interpreter exit.
+
+
+def _half_flat_reward(drawn):
+    """``length_reward``, but a constant for prompts whose answer is 3 mod 4 (every other one); records the prompt of
+    each group drawn."""
+
+    def half_flat(completions, answer, prompts, **kwargs):
+        drawn.extend(p[-1]["content"] for p in prompts[::4])
+        return [1.0 if int(a) % 4 == 3 else r for a, r in zip(answer, length_reward(completions))]
+
+    return half_flat
 
 
 def _counter_script(text):

@@ -25,7 +25,7 @@ from trl import GRPOConfig
 import a3po_trl.cli
 import a3po_trl.cli.grpo
 from a3po_trl import AsyncA3POConfig
-from a3po_trl.cli.arguments import a3po_field_names, parameter_docs
+from a3po_trl.cli.arguments import CommandLineError, a3po_field_names, parameter_docs
 from a3po_trl.cli.rewards import trl_reward_registry
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -193,6 +193,20 @@ def test_the_program_trains_with_what_the_command_line_says(workspace, commands)
     assert command_line.training_args.max_staleness == 4 and command_line.model_args.use_peft
     assert [f.__name__ for f in inputs.reward_funcs] == ["length_reward"]
     assert len(inputs.train_dataset) == 16 and inputs.eval_dataset is None
+
+
+def test_dynamic_sampling_is_a_flag_and_a_yaml_key(workspace):
+    settings = {"dynamic_sampling": True, "dynamic_sampling_max_gen_batches": 4}
+    config = write_yaml(workspace / "dynamic.yaml", {**TRL_YAML, **settings})
+    argv = ["--config", config, "--dynamic_sampling_filter", "cli_rewards.length_reward"]
+    args = a3po_trl.cli.parse_command_line(argv, launching=True).training_args
+    assert args.dynamic_sampling and args.dynamic_sampling_max_gen_batches == 4
+    assert args.dynamic_sampling_filter == "cli_rewards.length_reward"  # imported when the trainer starts
+    plain = write_yaml(workspace / "trl.yaml", TRL_YAML)
+    args = a3po_trl.cli.parse_command_line(["--config", plain, "--dynamic_sampling"], launching=True).training_args
+    assert args.dynamic_sampling and args.dynamic_sampling_max_gen_batches == 10
+    with pytest.raises(CommandLineError, match="dynamic_sampling_max_gen_batches=0 must be an integer >= 1"):
+        a3po_trl.cli.parse_command_line(["--config", plain, "--dynamic_sampling_max_gen_batches", "0"], launching=True)
 
 
 def test_help_lists_every_a3po_option_with_its_docstring(capsys):

@@ -90,3 +90,34 @@ def test_the_trainer_refuses_before_it_resolves_a_model(tmp_path, overrides, kwa
             args=_config(tmp_path, **overrides),
             **kwargs,
         )
+
+
+def _stand_in_trainer(tmp_path, zero_stage=None, fsdp2=False, reward_funcs=(length_reward,), **overrides):
+    from types import SimpleNamespace
+
+    plugin = SimpleNamespace(zero_stage=zero_stage)
+    accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), is_fsdp2=fsdp2)
+    return SimpleNamespace(
+        args=_config(tmp_path, dynamic_sampling=True, **overrides),
+        is_deepspeed_enabled=zero_stage is not None,
+        is_fsdp_enabled=fsdp2,
+        accelerator=accelerator,
+        reward_funcs=list(reward_funcs),
+    )
+
+
+def test_dynamic_sampling_refuses_a_reward_model_scored_in_the_main_thread_and_a_filter_that_does_not_import(
+    tmp_path,
+):
+    from torch import nn
+
+    from a3po_trl.validation import _check_dynamic_sampling
+
+    reward_model = nn.Linear(1, 1)
+    _check_dynamic_sampling(_stand_in_trainer(tmp_path, reward_funcs=(reward_model,)))  # DDP: scored in the thread
+    _check_dynamic_sampling(_stand_in_trainer(tmp_path, zero_stage=3))  # ZeRO-3 with reward functions only
+    for sharded in ({"zero_stage": 3}, {"fsdp2": True}):
+        with pytest.raises(NotImplementedError, match="dynamic_sampling=True with a reward model under"):
+            _check_dynamic_sampling(_stand_in_trainer(tmp_path, reward_funcs=(reward_model,), **sharded))
+    with pytest.raises(ValueError, match="dynamic_sampling_filter='missing_module.keep'"):
+        _check_dynamic_sampling(_stand_in_trainer(tmp_path, dynamic_sampling_filter="missing_module.keep"))

@@ -1,0 +1,119 @@
+"""Dynamic sampling with the trainer (tiny model, CPU): the batches trained carry a reward signal only, the bound ends
+an all-flat run with its warning, reproducible runs stay identical, and a resume draws on exactly where the
+interrupted run stood."""
+
+import logging
+import random
+import threading
+import time
+
+import pytest
+import torch
+from helpers import StopAt, logged, logged_after, make_trainer, model_weights
+from tiny import length_reward, make_model
+
+#: Two groups of 4 per batch; a prompt whose answer is 3 mod 4 (every other one) gets a flat reward.
+SETTINGS = dict(dynamic_sampling=True, per_device_train_batch_size=8, max_steps=4)
+
+
+def half_flat_reward(draws, jitter=False):
+    """``length_reward`` for half the prompts, a constant for the others; ``draws`` records each call's answers (one
+    call per generation batch drawn). ``jitter``: a random pause, so the generation thread's timing varies."""
+
+    def half_flat(completions, answer, **kwargs):
+        if jitter:
+            time.sleep(random.Random().uniform(0.0, 0.1))
+        draws.append(list(answer[::4]))
+        lengths = length_reward(completions)
+        return [1.0 if int(a) % 4 == 3 else value for a, value in zip(answer, lengths)]
+
+    return half_flat
+
+
+def constant_reward(completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_every_trained_group_carries_signal_and_the_filtered_ones_are_counted(tokenizer, tmp_path, lora):
+    draws = []
+    model = make_model(tokenizer)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    trainer = make_trainer(tokenizer, tmp_path, reward_funcs=(half_flat_reward(draws),), model=model, **SETTINGS)
+    trainer.train()
+    assert trainer.state.global_step == 4
+    drawn = [answer for draw in draws for answer in draw]
+    flat_drawn = sum(int(a) % 4 == 3 for a in drawn)
+    assert flat_drawn > 0 and len(draws) > 4  # flat groups were drawn, so refills were needed
+    assert logged(trainer, "frac_reward_zero_std") == [0.0] * 4  # ... and none of them was trained
+    filtered = logged(trainer, "a3po/dynamic_sampling_filtered_groups")
+    extra = logged(trainer, "a3po/dynamic_sampling_extra_batches")
+    assert sum(filtered) >= flat_drawn - 1  # all but possibly flat groups of the last draws
+    assert sum(extra) == len(draws) - 4
+    assert logged(trainer, "a3po/dynamic_sampling_bound_reached") == [0.0] * 4
+    prompts_per_step = logged(trainer, "a3po/dynamic_sampling_prompts_per_step")
+    assert sum(prompts_per_step) == 2 * len(draws)  # two prompts per draw, one optimizer step per batch
+
+
+def test_an_all_flat_dataset_trains_to_the_end_at_the_bound_with_a_warning(tokenizer, tmp_path, caplog):
+    trainer = make_trainer(
+        tokenizer, tmp_path, reward_funcs=(constant_reward,), dynamic_sampling_max_gen_batches=3, **SETTINGS
+    )
+    caplog.set_level(logging.WARNING, logger="a3po_trl.rollout.dynamic_sampling")
+    thread = threading.Thread(target=trainer.train, daemon=True)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive(), "training on an all-flat dataset did not end"
+    assert trainer.state.global_step == 4
+    assert logged(trainer, "a3po/dynamic_sampling_bound_reached") == [1.0] * 4
+    assert logged(trainer, "a3po/dynamic_sampling_extra_batches") == [2.0] * 4
+    assert logged(trainer, "frac_reward_zero_std") == [1.0] * 4  # the filler describes the trained batch
+    assert any("dynamic_sampling_max_gen_batches=3" in record.getMessage() for record in caplog.records)
+
+
+REPRODUCIBLE = dict(SETTINGS, reproducible_generation=True, max_staleness=2, max_steps=5)
+
+
+def _run(tokenizer, tmp_path, draws, seed=0, callbacks=(), resume=None, **overrides):
+    trainer = make_trainer(
+        tokenizer,
+        tmp_path,
+        reward_funcs=(half_flat_reward(draws, jitter=True),),
+        model=make_model(tokenizer, seed=seed),
+        **{**REPRODUCIBLE, **overrides},
+    )
+    for callback in callbacks:
+        trainer.add_callback(callback)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def test_reproducible_runs_are_identical_and_a_resume_draws_on_where_the_run_stood(tokenizer, tmp_path):
+    checkpointing = dict(save_steps=2, save_strategy="steps")
+    first_draws, second_draws = [], []
+    first = _run(tokenizer, tmp_path / "a", first_draws, **checkpointing)
+    second = _run(tokenizer, tmp_path / "b", second_draws)
+    assert first_draws == second_draws and len(first_draws) > 5
+    for key in ("loss", "reward", "a3po/dynamic_sampling_filtered_groups", "a3po/staleness_max"):
+        assert logged(first, key) == logged(second, key), key
+    a, b = model_weights(first), model_weights(second)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+    interrupted_draws, resumed_draws = [], []
+    with pytest.raises(KeyboardInterrupt):
+        _run(tokenizer, tmp_path / "c", interrupted_draws, callbacks=[StopAt(2)], **checkpointing)
+    resumed = _run(
+        tokenizer, tmp_path / "c", resumed_draws, seed=123, resume=str(tmp_path / "c" / "out" / "checkpoint-2")
+    )
+    # the resumed run starts drawing at the batch after step 2, exactly where the uninterrupted run drew it: no
+    # prompt is drawn twice, none is skipped
+    before = first.last_batch_producer.draw_starts()[2]
+    assert first_draws[:before] == interrupted_draws[:before]
+    assert resumed_draws == first_draws[before:]
+    for key in ("loss", "reward", "a3po/dynamic_sampling_filtered_groups"):
+        assert logged_after(resumed, key, 2) == logged_after(first, key, 2), key
+    a, b = model_weights(first), model_weights(resumed)
+    assert all(torch.equal(a[n], b[n]) for n in a)
