@@ -14,6 +14,7 @@
 
 import gc
 import threading
+import types
 
 import pytest
 import torch
@@ -251,6 +252,44 @@ def test_staging_with_one_set_a_publication_waits_for_its_reader_and_never_overw
     publisher.join(TIMEOUT)
     reader.join(TIMEOUT)
     assert loaded == [2] and not errors and not publish_errors
+
+
+def test_staging_the_shared_server_switcher_writes_its_file_without_the_lock(tokenizer, tmp_path):
+    """The generation thread of the process that switches a shared vLLM server writes the version file from the
+    staging buffers (``VLLMServerBackend._switch_server_to``); the main thread's bookkeeping and its publication of
+    the next version (kept versions) go on meanwhile, and the file holds the version whole (views of one buffer)."""
+    from safetensors.torch import load_file
+
+    from a3po_trl.generation.vllm.server import VLLMServerBackend
+
+    model = make_model(tokenizer)
+    weights = VersionedWeights(StagingLayout.of(model, every_name(model), CPU, BF16), ParameterGather())
+    weights.keep_versions = True
+    weights.publish(model, 0)
+    writing, finish = threading.Event(), threading.Event()
+    switcher = types.SimpleNamespace(weights=weights, _tied_head=False, _weights_dir=str(tmp_path / "weights"))
+
+    def slow_write(buffers):  # the real file write, made slow
+        writing.set()
+        assert finish.wait(TIMEOUT)
+        VLLMServerBackend._write_weights_file(switcher, buffers)
+
+    switcher._write_weights_file = slow_write
+    switcher._reload_from_file = lambda: None
+    switched = []
+    thread, errors = in_thread(lambda: switched.append(VLLMServerBackend._switch_server_to(switcher, 0)))
+    try:
+        assert writing.wait(TIMEOUT)
+        publisher, publish_errors = in_thread(lambda: weights.publish(model, 1))
+        publisher.join(TIMEOUT)
+        assert not publisher.is_alive() and not publish_errors and weights.newest == 1
+    finally:
+        finish.set()
+        thread.join(TIMEOUT)
+    assert switched == [True] and not errors
+    written = load_file(str(tmp_path / "weights" / "model.safetensors"))
+    for name, param in model.named_parameters():
+        assert torch.equal(written[name], param.detach().to(BF16)), name
 
 
 # ---- host memory in the plan ---------------------------------------------------------------------------------------
