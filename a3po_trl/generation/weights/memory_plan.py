@@ -345,11 +345,14 @@ def plan_generator_memory_choosing_staging(
                 f"(at least {DEVICE_STAGING_RESERVE:.0%} of it is kept for activations)"
             )
             return on_device
-        why = f"{left / GIB:.1f} GiB of it would be left, less than the {reserve / GIB:.1f} GiB kept for activations"
+        why = (
+            f"staged there it would leave {left / GIB:.1f} GiB free, under the {reserve / GIB:.1f} GiB kept for "
+            "activations"
+        )
     else:
         why = "the GPU's free memory is unknown"
     on_host = plan_generator_memory(module, _replace(setup, staging_device=torch.device("cpu")))
-    on_host.staging_reason = f"not on the GPU: staged there, {why}"
+    on_host.staging_reason = f"not on the GPU: {why}"
     return on_host
 
 
