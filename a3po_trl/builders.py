@@ -45,7 +45,13 @@ from .generation.weights import (
     generator_dtype,
     mixed_precision_dtype,
 )
-from .generation.weights.memory_plan import GeneratorSetup, free_device_memory, plan_generator_memory
+from .generation.weights.memory_plan import (
+    GeneratorSetup,
+    available_host_memory,
+    free_device_memory,
+    plan_generator_memory_choosing_staging,
+    processes_on_node,
+)
 from .generation.weights.version_checkpoint import load_kept_versions
 from .patches import align_position_ids_with_generation, cast_lm_head_to_fp32, peft_base_model
 from .rollout import RolloutSettings, decode_completions, run_rollout
@@ -91,13 +97,19 @@ def weight_gather(trainer) -> ParameterGather | None:
 def build_backend(trainer) -> GenerationBackend:
     """The generation backend: Hugging Face ``generate`` on the generator's own copy, or vLLM (``use_vllm``).
 
-    Its memory is planned first (:mod:`a3po_trl.generation.weights.memory_plan`), logged, and on CUDA refused before
-    anything is allocated when it cannot fit; the plan is kept as the backend's ``memory_plan``."""
+    Its memory is planned first (:mod:`a3po_trl.generation.weights.memory_plan`: where colocated vLLM stages its
+    versions, on the GPU or in pinned host memory, is chosen there), logged, and on CUDA refused before anything is
+    allocated when it cannot fit on a device or in the host memory of this machine; the plan is kept as the
+    backend's ``memory_plan`` (its ``figures()``: what a GPU check measures against)."""
     setup = generator_setup(trainer)
-    plan = plan_generator_memory(trainer._unwrapped_model(), setup)
+    free = free_device_memory([setup.generation_device, setup.training_device])
+    plan = plan_generator_memory_choosing_staging(trainer._unwrapped_model(), setup, free)
     logger.info("Process %d: %s", trainer.accelerator.process_index, plan.describe())
-    plan.check(free_device_memory(plan.devices))
-    backend = _build_vllm_backend(trainer) if trainer._use_vllm_backend else _build_hf_backend(trainer, setup.dtype)
+    plan.check(free, available_host_memory() if plan.pinned_host_bytes else None)
+    if trainer._use_vllm_backend:
+        backend = _build_vllm_backend(trainer, plan.staging_device)
+    else:
+        backend = _build_hf_backend(trainer, setup.dtype)
     backend.memory_plan = plan
     return backend
 
@@ -117,8 +129,8 @@ def generator_setup(trainer) -> GeneratorSetup:
         )
     elif args.vllm_mode == "colocate":
         kind, dtype = "vllm-colocate", engine_dtype(module, generation_device, mixed_precision)
-    else:  # the server's own dtype is known once it answers; staging is on the host either way
-        kind, dtype = "vllm-server", mixed_precision_dtype(mixed_precision)
+    else:  # the server's own dtype is known once it answers: planned as vLLM's `auto` (trl vllm-serve's default)
+        kind, dtype = "vllm-server", engine_dtype(module, generation_device, mixed_precision)
     lora = active_lora(module)
     processes = accelerator.num_processes
     zero_stage = accelerator.state.deepspeed_plugin.zero_stage if trainer.is_deepspeed_enabled else 0
@@ -142,6 +154,7 @@ def generator_setup(trainer) -> GeneratorSetup:
         optimizer_states_per_parameter=2 if "adam" in optim else 1 if ("sgd" in optim or "lion" in optim) else 0,
         # DeepSpeed allocates its partitioned states when it wraps the model; a later train() has them already
         training_state_allocated=bool(trainer.is_deepspeed_enabled or getattr(trainer.optimizer, "state", None)),
+        processes_on_node=processes_on_node(),
     )
 
 
@@ -219,7 +232,7 @@ def vllm_sampling_settings(trainer) -> VLLMSamplingSettings:
     )
 
 
-def _build_vllm_backend(trainer) -> GenerationBackend:
+def _build_vllm_backend(trainer, staging_device: torch.device | None = None) -> GenerationBackend:
     from .generation.vllm.make_backend import build_vllm_backend
 
     args = trainer.args
@@ -242,6 +255,7 @@ def _build_vllm_backend(trainer) -> GenerationBackend:
         num_processes=processes,
         shared=shared,
         mixed_precision=trainer.accelerator.mixed_precision,
+        staging_device=staging_device,
     )
 
 

@@ -175,3 +175,19 @@ def scripted_generate(tokenizer, script):
         return torch.cat([input_ids, torch.tensor(rows, dtype=input_ids.dtype)], dim=1)
 
     return generate
+
+
+def make_meta_qwen25(size: str):
+    """Qwen2.5-1.5B or -7B (``size``: ``"1.5b"``, ``"7b"``) built on the meta device: real parameter counts for memory
+    arithmetic, no memory used. 1.5B ties its LM head to its embedding (1.54 B parameters); 7B does not (7.62 B)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    shapes = {
+        "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2,
+                     vocab_size=151936, tie_word_embeddings=True),
+        "7b": dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
+                   vocab_size=152064, tie_word_embeddings=False),
+    }  # fmt: skip
+    config = Qwen2Config(num_hidden_layers=28, dtype="bfloat16", **shapes[size])
+    with torch.device("meta"):
+        return Qwen2ForCausalLM(config)

@@ -13,6 +13,10 @@ weights move without serialization:
   model, whose adapters are merged out of place (its base weights never move, so versions do not accumulate rounding)
   and pushed whole (logged once).
 
+Versions are staged (:class:`~a3po_trl.generation.weights.VersionedWeights`) on the engine's GPU when the memory
+plan finds room for the copy there, so a version never leaves the GPU (gather -> staging -> engine); otherwise in
+pinned host memory, which costs two PCIe crossings of the version (see docs/GPU.md). The plan logs its choice.
+
 Generation steps the engine request by request (``add_request`` / ``step``), so ``should_stop`` ends a batch within
 one decoding step.
 """
@@ -37,10 +41,10 @@ from ..weights.names import without_checkpoint_wrapper
 from .sampling import VLLMSamplingSettings, completions_from_outputs, row_seeds, sampling_params
 from .weight_loading import (
     active_lora,
-    host_staging_layout,
     lora_slot_rank,
     merged_checkpoint_tensors,
     unsupported_lora_reason,
+    vllm_staging_layout,
     write_lora_adapter,
 )
 from .worker import repack_lm_head
@@ -59,8 +63,11 @@ class VLLMColocateBackend(GenerationBackend):
         engine_kwargs: keyword arguments of ``vllm.LLM`` (dtype, max_model_len, max_num_seqs, seed, ...).
         device: the engine's device (CPU, or the process's GPU).
         gather: how the main thread reads sharded weights whole (see :mod:`a3po_trl.generation.weights.gather`).
-        dtype: the engine's dtype (``engine_kwargs["dtype"]``): versions are staged in it, in host memory (pinned on
-            a GPU machine), and a private merge copy holds it.
+        dtype: the engine's dtype (``engine_kwargs["dtype"]``): versions are staged in it, and a private merge copy
+            holds it.
+        staging_device: where versions are staged: the engine's GPU (the memory plan found room there, see
+            :func:`~a3po_trl.generation.weights.memory_plan.plan_generator_memory_choosing_staging`), or None: in
+            host memory, pinned when the engine is on a GPU.
     """
 
     def __init__(
@@ -72,6 +79,7 @@ class VLLMColocateBackend(GenerationBackend):
         device: torch.device,
         gather=None,
         dtype: torch.dtype | None = None,
+        staging_device: torch.device | None = None,
     ):
         device = explicit_device(device)
         self.sampling = sampling
@@ -100,7 +108,8 @@ class VLLMColocateBackend(GenerationBackend):
                 else:
                     self._merge_copy = generator_copy(module, device, dtype, share_frozen=False).eval()
         gather = as_parameter_gather(gather)
-        super().__init__(VersionedWeights(host_staging_layout(module, dtype, device), gather), device)
+        layout = vllm_staging_layout(module, dtype, device, staging_device)
+        super().__init__(VersionedWeights(layout, gather), device)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights move without copies
         from vllm import LLM
 
@@ -119,7 +128,7 @@ class VLLMColocateBackend(GenerationBackend):
         else:
             self._reload((vllm_weight_name(name), tensor) for name, tensor in weights.items())
         # the engine's copies from the staging buffers, queued on this thread's stream, are done before the main
-        # thread may overwrite the buffers (the lock is released when this returns)
+        # thread may overwrite the buffers (the store releases them when this returns)
         wait_for_copies([self.device])
 
     def _reload(self, named_tensors) -> None:

@@ -159,12 +159,14 @@ def build_vllm_backend(
     num_processes: int,
     shared=None,
     mixed_precision: str | None = None,
+    staging_device: torch.device | None = None,
 ):
     """The vLLM backend (``use_vllm=True``), colocate or server, for the unwrapped training ``module`` with the
     trainer's ``args`` (an :class:`~a3po_trl.AsyncA3POConfig`) and sampling settings. ``shared``: a
     :class:`~a3po_trl.generation.vllm.shared_server.SharedServerVersions` when several processes share a server with
     full weights. ``mixed_precision``: the trainer's (accelerate's setting), which sets the engine's dtype
-    (:func:`engine_dtype`)."""
+    (:func:`engine_dtype`). ``staging_device``: colocate only, where versions are staged (the memory plan's choice;
+    None: host memory)."""
     device = explicit_device(device)
     if args.vllm_mode == "server":
         from .server import VLLMServerBackend
@@ -203,4 +205,13 @@ def build_vllm_backend(
         # alone (tensor, pipeline and data parallel size 1), so generating never communicates with another process.
         engine_kwargs["distributed_executor_backend"] = "external_launcher"
     model_path = base_model_path(module, gather, dtype)
-    return VLLMColocateBackend(module, model_path, sampling, engine_kwargs, device=device, gather=gather, dtype=dtype)
+    return VLLMColocateBackend(
+        module,
+        model_path,
+        sampling,
+        engine_kwargs,
+        device=device,
+        gather=gather,
+        dtype=dtype,
+        staging_device=staging_device,
+    )

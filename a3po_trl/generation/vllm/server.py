@@ -47,7 +47,7 @@ from ..backend import GenerationBackend
 from ..weights import VersionedWeights, as_parameter_gather, vllm_weight_name
 from .sampling import VLLMSamplingSettings, completions_from_token_logprobs, row_seeds
 from .shared_server import SharedServerVersions
-from .weight_loading import active_lora, host_staging_layout, unsupported_lora_reason, write_lora_adapter
+from .weight_loading import active_lora, unsupported_lora_reason, vllm_staging_layout, write_lora_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class VLLMServerBackend(GenerationBackend):
         server_dtype = self._check_server_config()
         # Versions are staged in the dtype the server holds its weights in (what it casts them to on load anyway):
         # the files it reads and the NCCL broadcasts are no larger than they must be.
-        layout = host_staging_layout(module, server_dtype, device)
+        layout = vllm_staging_layout(module, server_dtype, device)
         super().__init__(VersionedWeights(layout, as_parameter_gather(gather)), device)
 
     # ---- HTTP ------------------------------------------------------------------------------------------------------

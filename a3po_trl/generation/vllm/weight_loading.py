@@ -1,4 +1,4 @@
-"""Weights in the forms vLLM loads them: the host staging of each version, LoRA adapters written as adapter folders
+"""Weights in the forms vLLM loads them: where each version is staged, LoRA adapters written as adapter folders
 (and the ranks of vLLM's adapter slots), and the merged or base checkpoint tensors of adapters vLLM cannot serve."""
 
 from __future__ import annotations
@@ -26,11 +26,16 @@ def active_lora(module) -> tuple[str, object] | None:
     return adapter, module.peft_config[adapter]
 
 
-def host_staging_layout(module, dtype: torch.dtype | None, device: torch.device) -> StagingLayout:
+def vllm_staging_layout(
+    module, dtype: torch.dtype | None, device: torch.device, staging_device: torch.device | None = None
+) -> StagingLayout:
     """The staging layout of a vLLM backend: ``module``'s trainable weights, whole-shaped (also under ZeRO-3 and
-    FSDP2), in the engine's ``dtype``, in host memory (pinned when the engine is on a GPU). The engine holds the
-    device copy of the weights; staging on the GPU as well would cost a second whole model there."""
+    FSDP2), in the engine's ``dtype``; on ``staging_device`` when it is the engine's GPU (the memory plan found room
+    there: :func:`~a3po_trl.generation.weights.memory_plan.plan_generator_memory_choosing_staging`), else in host
+    memory, pinned when the engine is on a GPU."""
     trainable = [name for name, p in module.named_parameters() if p.requires_grad]
+    if staging_device is not None and torch.device(staging_device).type != "cpu":
+        return StagingLayout.of(module, trainable, staging_device, dtype)
     return StagingLayout.of(module, trainable, torch.device("cpu"), dtype, pin_memory=device.type == "cuda")
 
 

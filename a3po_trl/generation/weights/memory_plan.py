@@ -9,24 +9,42 @@ and, in a run, before the generator's copy, staging buffers or engine exist. It 
 - the vLLM engine (colocate): on a GPU the share of the GPU it reserves (``vllm_gpu_memory_utilization``), which must
   hold its weights in the engine's dtype; on CPU its weights;
 - the staging buffers, one set of the trainable weights per version held (more with ``reproducible_generation``), on
-  the generation device (``generate``) or in pinned host memory (vLLM);
+  the generation device (``generate``), in pinned host memory (vLLM server), and for colocated vLLM on the GPU when
+  the copy fits beside the engine and training's state with :data:`DEVICE_STAGING_RESERVE` of the GPU left for
+  activations, else in pinned host memory (:func:`plan_generator_memory_choosing_staging`: the choice is logged and
+  kept as :attr:`GeneratorMemoryPlan.staging_device`);
 - what training has not allocated yet when the generator is built (at the first step): gradients and the optimizer's
   states, sharded as the run shards them. Activations are not counted.
 
-On CUDA the device total is compared with the memory free at that moment; a plan that cannot fit is refused with the
-numbers and the settings that lower it (:class:`GeneratorMemoryError`). On CPU it is only logged.
+On CUDA the device total is compared with the memory free at that moment, counting what torch's caching allocator
+holds but has not handed out as free (:func:`free_device_memory`); pinned host staging, times the processes on the
+node (``LOCAL_WORLD_SIZE``), is compared with the host memory available (:func:`available_host_memory`). A plan that
+cannot fit is refused with the numbers and the settings that lower it (:class:`GeneratorMemoryError`). On CPU it is
+only logged.
+
+What a GPU check measures against: :attr:`GeneratorMemoryPlan.device_bytes` (predicted bytes on the generation
+device, per process), :attr:`GeneratorMemoryPlan.pinned_host_bytes` (predicted page-locked host bytes, per process),
+:attr:`GeneratorMemoryPlan.staging_location`, and :meth:`GeneratorMemoryPlan.figures` (all of them, JSON-ready).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from .store import full_shape, staged_dtype
+from .store import full_shape, packed_bytes, staged_dtype
+
+logger = logging.getLogger(__name__)
 
 GIB = 2**30
+
+DEVICE_STAGING_RESERVE = 0.2
+"""Colocated vLLM stages on the GPU only if, with the staged copy, this share of the GPU's total memory stays free for
+what the plan does not count (activations, the allocator's fragmentation); otherwise in pinned host memory."""
 
 
 class GeneratorMemoryError(RuntimeError):
@@ -62,6 +80,11 @@ class GeneratorSetup:
     """Tensors the optimizer keeps per trainable parameter, in its dtype (Adam/AdamW: 2; SGD with momentum: 1)."""
     training_state_allocated: bool = False
     """Gradients and optimizer states exist already (a later ``train()`` call): not counted again."""
+    staging_device: torch.device | None = None
+    """Where the staging buffers live; None: the backend's default (``generate``: the generation device; vLLM: host
+    memory, pinned when the generation device is a GPU)."""
+    processes_on_node: int = 1
+    """Training processes on this machine (``LOCAL_WORLD_SIZE``), each staging its own copy in host memory."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +102,58 @@ class GeneratorMemoryPlan:
     items: list[MemoryItem] = field(default_factory=list)
     engine_weights_bytes: int = 0
     """vLLM colocate on a GPU: the engine's weights, which its reservation must hold (0 otherwise)."""
+    staging_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """Where the staging buffers live."""
+    staging_pinned: bool = False
+    """The staging buffers are page-locked host memory (vLLM with its engine on a GPU)."""
+    staging_bytes_per_version: int = 0
+    """One version's staging buffer (one allocation), in bytes."""
+    staging_reason: str = ""
+    """Why the staging lives where it does (logged at start)."""
+
+    @property
+    def staging_location(self) -> str:
+        """``"device cuda:0"``, ``"pinned host memory"`` or ``"host memory"``."""
+        if self.staging_device.type != "cpu":
+            return f"device {self.staging_device}"
+        return "pinned host memory" if self.staging_pinned else "host memory"
+
+    @property
+    def staging_bytes(self) -> int:
+        """The staging buffers of every version held at most, per process."""
+        return self.staging_bytes_per_version * max(self.setup.staging_sets, 1)
+
+    @property
+    def pinned_host_bytes(self) -> int:
+        """Page-locked host memory this process allocates (its staging buffers when pinned), in bytes."""
+        return self.staging_bytes if self.staging_pinned else 0
+
+    @property
+    def pinned_host_bytes_on_node(self) -> int:
+        """:attr:`pinned_host_bytes` of every process on this machine (``LOCAL_WORLD_SIZE``)."""
+        return self.pinned_host_bytes * max(self.setup.processes_on_node, 1)
+
+    @property
+    def device_bytes(self) -> int:
+        """What the plan adds on the generation device, per process (the engine's whole reservation included)."""
+        return self.bytes_on(self.setup.generation_device)
+
+    def figures(self) -> dict:
+        """The plan's predictions, JSON-ready (for a GPU check to measure against)."""
+        return {
+            "backend": self.setup.backend,
+            "dtype": _dtype_name(self.setup.dtype),
+            "staging_location": self.staging_location,
+            "staging_reason": self.staging_reason,
+            "staging_sets": self.setup.staging_sets,
+            "staging_bytes_per_version": self.staging_bytes_per_version,
+            "pinned_host_bytes": self.pinned_host_bytes,
+            "pinned_host_bytes_on_node": self.pinned_host_bytes_on_node,
+            "processes_on_node": self.setup.processes_on_node,
+            "device_bytes": {str(device): self.bytes_on(device) for device in self.devices if device.type != "cpu"},
+            "host_bytes": self.bytes_on(torch.device("cpu")),
+            "items": [[item.what, item.bytes, str(item.device)] for item in self.items],
+        }
 
     def bytes_on(self, device: torch.device) -> int:
         return sum(item.bytes for item in self.items if _same(item.device, device))
@@ -98,12 +173,19 @@ class GeneratorMemoryPlan:
             lines.append(f"  {item.what:<58} {_size(item.bytes)} on {item.device}")
         for device in self.devices:
             lines.append(f"  {'total':<58} {_size(self.bytes_on(device))} on {device}")
+        lines.append(f"  staging in {self.staging_location}: {self.staging_reason}")
+        if self.staging_pinned:
+            lines.append(
+                f"  {'pinned host memory on this node':<58} {_size(self.pinned_host_bytes_on_node)} "
+                f"({self.setup.processes_on_node} processes, LOCAL_WORLD_SIZE)"
+            )
         return "\n".join(lines)
 
-    def check(self, free_bytes: dict[str, int]) -> None:
+    def check(self, free_bytes: dict[str, int], host_available_bytes: int | None = None) -> None:
         """Raise :class:`GeneratorMemoryError` if the items on a device exceed its free memory (``free_bytes`` by
-        device string, e.g. ``{"cuda:0": ...}``; devices not given are not checked), or a vLLM engine's weights
-        exceed its reservation."""
+        device string, e.g. ``{"cuda:0": ...}``, from :func:`free_device_memory`; devices not given are not checked),
+        a vLLM engine's weights exceed its reservation, or the pinned staging of every process on this machine
+        exceeds ``host_available_bytes`` (:func:`available_host_memory`; None: not checked)."""
         setup = self.setup
         if self.engine_weights_bytes:
             reserved = _item_bytes(self, "vLLM engine")
@@ -126,6 +208,37 @@ class GeneratorMemoryPlan:
                     f"{self.describe()}\nThat is {needed / GIB:.1f} GiB on {device}, where {free / GIB:.1f} GiB are "
                     f"free now (activations not counted). To lower it: {'; '.join(self._remedies())}."
                 )
+        pinned = self.pinned_host_bytes_on_node
+        if host_available_bytes is not None and pinned > host_available_bytes:
+            raise GeneratorMemoryError(
+                f"{self.describe()}\nThe weight staging in pinned host memory takes "
+                f"{self.staging_bytes_per_version / GIB:.1f} GiB per version x {setup.staging_sets} version(s) "
+                f"x {setup.processes_on_node} process(es) on this machine (LOCAL_WORLD_SIZE) = {pinned / GIB:.1f} GiB "
+                f"of page-locked memory, more than the {host_available_bytes / GIB:.1f} GiB of host memory available "
+                f"now (MemAvailable). To lower it: {'; '.join(self._host_remedies())}."
+            )
+
+    def _host_remedies(self) -> list[str]:
+        setup, remedies = self.setup, []
+        if setup.staging_sets > 1:
+            remedies.append(
+                f"reproducible_generation=False or a smaller max_staleness (it keeps {setup.staging_sets} staged "
+                "versions)"
+            )
+        if setup.dtype is None or setup.dtype == torch.float32:
+            remedies.append("train in bf16 mixed precision (bf16=True): versions are then staged in bf16")
+        remedies.append("LoRA (peft_config): only the adapter is staged")
+        if setup.processes_on_node > 1:
+            remedies.append(
+                f"fewer training processes on this machine (now {setup.processes_on_node}), or a machine with more "
+                "host memory"
+            )
+        if setup.backend == "vllm-colocate" and setup.generation_device.type == "cuda":
+            remedies.append(
+                "a lower vllm_gpu_memory_utilization (now "
+                f"{setup.vllm_gpu_memory_utilization}), so that the staging fits on the GPU instead"
+            )
+        return remedies
 
     def _remedies(self) -> list[str]:
         setup, remedies = self.setup, []
@@ -162,13 +275,15 @@ def plan_generator_memory(module: nn.Module, setup: GeneratorSetup) -> Generator
     def size(tensors, dtype=setup.dtype) -> int:
         return sum(full_shape(p).numel() * _element_size(staged_dtype(p.dtype, dtype)) for p in tensors)
 
-    staged = size(trainable)
+    staged = packed_bytes(full_shape(p).numel() * _element_size(staged_dtype(p.dtype, setup.dtype)) for p in trainable)
+    plan.staging_bytes_per_version = staged
     if setup.backend == "generate":
         whole = setup.sharded or not _same(generation, training)
         copied = params if whole else trainable
         what = "generator copy (whole model)" if whole else "generator copy (trainable weights; frozen ones shared)"
         plan.items.append(MemoryItem(what, size(copied), generation))
-        staging_device = generation
+        staging_device = setup.staging_device or generation
+        plan.staging_reason = "the generate backend copies each version into its own module there"
     else:
         if setup.backend == "vllm-colocate":
             engine_weights = size(params)
@@ -181,7 +296,19 @@ def plan_generator_memory(module: nn.Module, setup: GeneratorSetup) -> Generator
                 plan.items.append(MemoryItem("vLLM engine weights (KV cache not counted)", engine_weights, generation))
             if setup.vllm_merges_adapters:
                 plan.items.append(MemoryItem("merge copy (whole model, adapters merged)", size(params), generation))
-        staging_device = torch.device("cpu")
+        staging_device = setup.staging_device or torch.device("cpu")
+        if staging_device.type != "cpu":
+            plan.staging_reason = "fits beside the engine and training's state"
+        elif generation.type == "cuda":
+            plan.staging_pinned = True
+            plan.staging_reason = (
+                "the vLLM server loads from the host"
+                if setup.backend == "vllm-server"
+                else "no room on the GPU beside the engine and training's state"
+            )
+        else:
+            plan.staging_reason = "the engine runs on the CPU"
+    plan.staging_device = staging_device
     plan.items.append(MemoryItem("staging, one version", staged, staging_device))
     if setup.staging_sets > 1:
         what = f"staging, {setup.staging_sets - 1} more versions (reproducible_generation)"
@@ -194,13 +321,83 @@ def plan_generator_memory(module: nn.Module, setup: GeneratorSetup) -> Generator
     return plan
 
 
+def plan_generator_memory_choosing_staging(
+    module: nn.Module, setup: GeneratorSetup, free_bytes: dict[str, int]
+) -> GeneratorMemoryPlan:
+    """:func:`plan_generator_memory`, where the staging's place is chosen here when ``setup`` leaves it open
+    (``staging_device=None``) for colocated vLLM on a GPU: on the GPU when the plan with the staged copies there
+    leaves :data:`DEVICE_STAGING_RESERVE` of the GPU free (``free_bytes``, as :meth:`GeneratorMemoryPlan.check`
+    takes them) and the engine's weights fit its reservation; in pinned host memory otherwise. On the GPU a version
+    moves from the gather to the staging buffer to the engine within the GPU's memory; from pinned host memory it
+    crosses PCIe twice (see docs/GPU.md)."""
+    generation = setup.generation_device
+    if setup.backend != "vllm-colocate" or generation.type != "cuda" or setup.staging_device is not None:
+        return plan_generator_memory(module, setup)
+    on_device = plan_generator_memory(module, _replace(setup, staging_device=generation))
+    free, total = free_bytes.get(str(generation)), setup.device_total_bytes
+    if free is not None and total:
+        reserve = int(DEVICE_STAGING_RESERVE * total)
+        left = free - on_device.bytes_on(generation)
+        reservation = _item_bytes(on_device, "vLLM engine")
+        if left >= reserve and on_device.engine_weights_bytes <= reservation:
+            on_device.staging_reason = (
+                f"fits beside the engine and training's state, {left / GIB:.1f} GiB of the GPU left free "
+                f"(at least {DEVICE_STAGING_RESERVE:.0%} of it is kept for activations)"
+            )
+            return on_device
+        why = (
+            f"staged there it would leave {left / GIB:.1f} GiB free, under the {reserve / GIB:.1f} GiB kept for "
+            "activations"
+        )
+    else:
+        why = "the GPU's free memory is unknown"
+    on_host = plan_generator_memory(module, _replace(setup, staging_device=torch.device("cpu")))
+    on_host.staging_reason = f"not on the GPU: {why}"
+    return on_host
+
+
 def free_device_memory(devices) -> dict[str, int]:
-    """Free bytes of each CUDA device in ``devices`` now (others are left out)."""
+    """Free bytes of each CUDA device in ``devices`` now (others are left out): what the driver reports free, plus
+    what torch's caching allocator has reserved in this process but not allocated (it reuses that first)."""
     free = {}
     for device in devices:
         if device.type == "cuda":
-            free[str(device)] = torch.cuda.mem_get_info(device)[0]
+            cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+            free[str(device)] = torch.cuda.mem_get_info(device)[0] + max(cached, 0)
     return free
+
+
+def available_host_memory(meminfo: str | None = None) -> int | None:
+    """Bytes of host memory available now without swapping (psutil's ``available``, else ``MemAvailable`` of
+    ``/proc/meminfo``; ``meminfo``: read that file instead); None when neither is there."""
+    if meminfo is None:
+        try:
+            import psutil
+        except ImportError:
+            meminfo = "/proc/meminfo"
+        else:
+            return int(psutil.virtual_memory().available)
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    value, *unit = line.split()[1:]
+                    return int(value) * (1024 if unit and unit[0].lower() == "kb" else 1)
+    except OSError:
+        return None
+    return None
+
+
+def processes_on_node() -> int:
+    """Training processes on this machine: ``LOCAL_WORLD_SIZE`` (set by torchrun and accelerate), else 1."""
+    try:
+        return max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    except ValueError:
+        return 1
+
+
+def _replace(setup: GeneratorSetup, **changes) -> GeneratorSetup:
+    return GeneratorSetup(**{**setup.__dict__, **changes})
 
 
 def _unique_parameters(module: nn.Module):
@@ -221,7 +418,7 @@ def _size(size: int) -> str:
 
 
 def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:

@@ -1,23 +1,37 @@
 """The versioned staging store: the trainer's trainable weights, one version at a time, for the generation thread.
 
-- main thread: :meth:`VersionedWeights.publish` copies a module's trainable weights into a staging buffer as version
-  ``v``, one whole tensor at a time (gathered under ZeRO-3 and FSDP2 by a
+- main thread: :meth:`VersionedWeights.publish` copies a module's trainable weights into a staging buffer set as
+  version ``v``, one whole tensor at a time (gathered under ZeRO-3 and FSDP2 by a
   :class:`~a3po_trl.generation.weights.gather.ParameterGather`, on every process together), cast to the generator's
   dtype on the way;
-- generation thread: :meth:`VersionedWeights.loading` holds a version's buffers (under the store's lock) while a
-  backend loads them into whatever generates.
+- generation thread: :meth:`VersionedWeights.load_newer` and :meth:`VersionedWeights.holding` hand a backend a
+  version's buffers, which the main thread does not overwrite until the backend is done with them.
 
-The buffers live where :class:`StagingLayout` says: on the generation device (the ``generate`` backend copies them
-into its own module there) or in pinned host memory (vLLM: the engine holds the device copy, and host staging keeps
-a second whole model off the GPU). They are allocated at the first publication and reused; with
-``keep_versions`` (``reproducible_generation``) one set per version a later batch may still need.
+The store's lock guards only the bookkeeping (which buffer set holds which version, which ones a reader uses, which
+one is being written): it is never held across a gather (a collective under sharding), a copy, an allocation or a
+backend's load (a file write, an engine's reload). A publication claims a buffer set under the lock, fills it without
+it, and publishes it under the lock again; a reader marks a version's set as in use under the lock, loads from it
+without it, and releases it. A publication that needs the set a reader uses waits for the reader (on a condition,
+the lock released), and a reader that wants a version being written waits for the publication.
+
+Each version is one allocation (:class:`StagingLayout`): a flat byte buffer with one view per weight, each at an
+offset aligned to :data:`STAGING_ALIGNMENT`, so a version's staged bytes are its weights' bytes in the generator's
+dtype (plus at most that alignment per weight). Pinned host memory is pinned by registering that one buffer with
+CUDA (``cudaHostRegister``): torch's caching host allocator (``pin_memory=True``) rounds every allocation up to a power
+of two, which would make a 7B model's 15.2 GB version take 17.2 GB of page-locked memory, and one allocation per
+weight ~1.9x. The buffers live on the generation device (``generate``; vLLM colocated when the memory plan finds
+room, see :mod:`.memory_plan`) or in host memory, pinned when the engine is on a GPU. They are allocated at the first
+publication and reused; with ``keep_versions`` (``reproducible_generation``) one set per version a later batch may
+still need.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +42,12 @@ from torch import nn
 from ...devices import wait_for_copies
 from .gather import ParameterGather
 
+logger = logging.getLogger(__name__)
+
+STAGING_ALIGNMENT = 256
+"""Byte alignment of each weight's view in a version's buffer: what ``cudaMalloc`` guarantees, a multiple of every
+dtype's size, so every view is aligned for its dtype and for vectorized copies."""
+
 
 def full_shape(param: torch.Tensor) -> torch.Size:
     """The whole shape of a parameter, also when ZeRO-3 has partitioned it (``ds_shape``); an FSDP2 ``DTensor``'s
@@ -35,9 +55,22 @@ def full_shape(param: torch.Tensor) -> torch.Size:
     return torch.Size(getattr(param, "ds_shape", param.shape))
 
 
+def aligned(offset: int, alignment: int = STAGING_ALIGNMENT) -> int:
+    """``offset`` rounded up to a multiple of ``alignment``."""
+    return -(-offset // alignment) * alignment
+
+
+def packed_bytes(sizes: Iterable[int]) -> int:
+    """Bytes of one buffer holding tensors of ``sizes`` bytes one after the other, each at an aligned offset."""
+    total = 0
+    for size in sizes:
+        total = aligned(total) + size
+    return total
+
+
 @dataclass(frozen=True)
 class StagingLayout:
-    """Shape and dtype of each staged weight (by training-module name), and where the buffers live."""
+    """Shape and dtype of each staged weight (by training-module name), and where a version's buffer lives."""
 
     shapes: dict[str, torch.Size]
     dtypes: dict[str, torch.dtype]
@@ -58,18 +91,71 @@ class StagingLayout:
             pin_memory=pin_memory,
         )
 
+    def weight_bytes(self, name: str) -> int:
+        return self.shapes[name].numel() * self.dtypes[name].itemsize
+
+    @property
+    def offsets(self) -> dict[str, int]:
+        """Byte offset of each weight's view in a version's buffer (in the layout's order, each aligned)."""
+        offsets, end = {}, 0
+        for name in self.shapes:
+            offsets[name] = aligned(end)
+            end = offsets[name] + self.weight_bytes(name)
+        return offsets
+
     @property
     def bytes_per_version(self) -> int:
-        return sum(
-            shape.numel() * torch.empty((), dtype=self.dtypes[name]).element_size()
-            for name, shape in self.shapes.items()
-        )
+        """Bytes of one version's buffer: the weights' bytes in their staged dtypes, each at an aligned offset."""
+        return packed_bytes(self.weight_bytes(name) for name in self.shapes)
+
+    @property
+    def where(self) -> str:
+        """Where the buffers live, in words: ``"device cuda:0"``, ``"pinned host memory"`` or ``"host memory"``."""
+        if self.device.type != "cpu":
+            return f"device {self.device}"
+        return "pinned host memory" if self.pin_memory else "host memory"
 
     def allocate(self) -> dict[str, torch.Tensor]:
-        return {
-            name: torch.empty(shape, dtype=self.dtypes[name], device=self.device, pin_memory=self.pin_memory)
-            for name, shape in self.shapes.items()
-        }
+        """One version's buffers: one allocation of :attr:`bytes_per_version` bytes (:func:`allocate_flat`), one
+        view per weight in its shape and dtype."""
+        flat = allocate_flat(self.bytes_per_version, self.device, self.pin_memory)
+        views = {}
+        for name, offset in self.offsets.items():
+            dtype, shape = self.dtypes[name], self.shapes[name]
+            views[name] = flat[offset : offset + self.weight_bytes(name)].view(dtype).view(shape)
+        return views
+
+
+def allocate_flat(nbytes: int, device: torch.device, pin_memory: bool = False) -> torch.Tensor:
+    """A flat ``uint8`` buffer of exactly ``nbytes`` on ``device``; host memory pinned (``pin_memory``) by registering
+    it with CUDA (unregistered when the buffer is freed), not through torch's caching host allocator, which rounds
+    each allocation up to a power of two."""
+    flat = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+    if pin_memory and nbytes > 0:
+        _host_register(flat.data_ptr(), flat.numel())
+        finalizer = weakref.finalize(flat, _host_unregister, flat.untyped_storage(), flat.data_ptr())
+        finalizer.atexit = False  # at exit CUDA may be gone; the process's memory goes with it
+    return flat
+
+
+def _host_register(pointer: int, nbytes: int) -> None:
+    """Page-lock ``nbytes`` of host memory at ``pointer`` for CUDA (``cudaHostRegister``, portable to every device)."""
+    error = int(torch.cuda.cudart().cudaHostRegister(pointer, nbytes, 1))  # 1: cudaHostRegisterPortable
+    if error != 0:
+        raise RuntimeError(
+            f"Could not pin {nbytes / 2**30:.2f} GiB of host memory for the weight staging (cudaError {error}): the "
+            "node may be short of host memory, or the process may not lock that much (ulimit -l). See the memory "
+            "plan in the log."
+        )
+
+
+def _host_unregister(storage, pointer: int) -> None:
+    """Undo :func:`_host_register` before ``storage`` (kept alive until now) is freed; best effort at teardown."""
+    try:
+        torch.cuda.cudart().cudaHostUnregister(pointer)
+    except Exception:  # noqa: BLE001 - CUDA shut down already
+        pass
+    del storage
 
 
 def staged_dtype(own: torch.dtype, target: torch.dtype | None) -> torch.dtype:
@@ -91,33 +177,44 @@ class VersionedWeights:
         self.gather = gather
         self.keep_versions = False
         """Keep every published version that a later batch may still be generated with, instead of only the
-        newest: up to ``max_staleness + 1`` buffer sets then."""
+        newest: up to ``max_staleness + 1`` buffer sets then, and one more while a version is published."""
         self.allocated_sets = 0
-        """Buffer sets allocated so far (each a whole copy of the trainable weights)."""
+        """Buffer sets allocated so far (each one allocation holding a whole copy of the trainable weights)."""
         self._free: list[dict[str, torch.Tensor]] = []
         self._published: dict[int, tuple[dict[str, torch.Tensor], Any]] = {}
+        self._writing: dict[int, dict[str, torch.Tensor]] = {}
+        """Versions the main thread is filling now, and their sets (not readable yet)."""
+        self._readers: dict[int, int] = {}
+        """Readers of each set in use by the generation thread (by ``id`` of the set)."""
+        self._retired: dict[int, dict[str, torch.Tensor]] = {}
+        """Sets dropped while in use: free once their last reader is done (by ``id``)."""
         self._newest = -1
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        """Notified whenever a set is freed or a version is published (the lock is the condition's)."""
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of the buffer sets allocated so far (pinned host bytes when :attr:`StagingLayout.pin_memory`)."""
+        return self.allocated_sets * self.layout.bytes_per_version
 
     # ---- main thread ---------------------------------------------------------------------------------------------
     @torch.no_grad()
     def publish(self, module: nn.Module, version: int, trainer_state: Any = None) -> float:
         """Copy ``module``'s trainable weights into a staging buffer as ``version``, with the trainer state at that
         version. Returns seconds. On every process together when the weights are sharded: every parameter goes through
-        the gather, one at a time, straight into the buffer (never a second whole copy of the weights)."""
+        the gather, one at a time, straight into the buffer (never a second whole copy of the weights). The store's
+        lock is not held during the gather: a reader is never kept waiting by another process's collective."""
         start = time.perf_counter()
         params = dict(module.named_parameters())
-        with self._lock:
-            if not self.keep_versions:
-                self._drop(lambda v: True)  # one buffer set, overwritten by each version
-            self._store(version, self.gather.full_tensors((name, params[name]) for name in self.names), trainer_state)
+        weights = lambda: self.gather.full_tensors((name, params[name]) for name in self.names)  # noqa: E731
+        self._write(version, weights, trainer_state)
         return time.perf_counter() - start
 
     @torch.no_grad()
     def restore(self, version: int, weights: dict[str, torch.Tensor], trainer_state: Any = None) -> None:
         """Publish ``weights`` (from :meth:`kept` of a checkpoint) as ``version`` again, without a module."""
-        with self._lock:
-            self._store(version, ((name, weights[name]) for name in self.names), trainer_state)
+        self._write(version, lambda: ((name, weights[name]) for name in self.names), trainer_state)
 
     def reset(self) -> None:
         """Forget every version (training resumes from another step: versions may go back)."""
@@ -143,65 +240,146 @@ class VersionedWeights:
             self._drop(lambda v: v < version and v != self._newest)
 
     def kept(self, before: int) -> dict[int, tuple[dict[str, torch.Tensor], Any]]:
-        """CPU copies of the kept versions older than ``before``, with their trainer states (for a checkpoint)."""
+        """CPU copies of the kept versions older than ``before``, with their trainer states (for a checkpoint); each
+        its own tensor (never a view of a version's buffer), copied without the lock."""
         with self._lock:
+            held = {v: entry for v, entry in self._published.items() if v < before}
+            for buffers, _ in held.values():
+                self._use(buffers)
+        try:
             return {
                 v: ({name: t.detach().to("cpu", copy=True) for name, t in buffers.items()}, trainer_state)
-                for v, (buffers, trainer_state) in self._published.items()
-                if v < before
+                for v, (buffers, trainer_state) in held.items()
             }
+        finally:
+            with self._lock:
+                for buffers, _ in held.values():
+                    self._done_with(buffers)
 
     # ---- generation thread ---------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def holding(self, version: int) -> Iterator[tuple[dict[str, torch.Tensor], Any] | None]:
         """``(buffers, trainer_state)`` of ``version`` while the block runs, the main thread kept from overwriting
-        them; ``None`` when that version is not held (any more)."""
+        them (the store's lock is not held meanwhile); ``None`` when that version is not held (any more)."""
         with self._lock:
-            yield self._published.get(version)
+            entry = self._published.get(version)
+            if entry is not None:
+                self._use(entry[0])
+        try:
+            yield entry
+        finally:
+            if entry is not None:
+                with self._lock:
+                    self._done_with(entry[0])
 
     def load_newer(self, loaded: int, exact: int | None, load: Callable[[dict[str, torch.Tensor], int, Any], None]):
-        """Under the lock, call ``load(buffers, version, trainer_state)`` with the newest version if it is newer than
-        ``loaded``, or (``exact``) with exactly version ``exact`` unless it is the one ``loaded``. Returns the version
-        loaded, or None when there was nothing to load. An ``exact`` version that is not held is an error: versions
-        are kept only with :attr:`keep_versions`, until the batch generated with them has been consumed."""
+        """Call ``load(buffers, version, trainer_state)`` with the newest version if it is newer than ``loaded``, or
+        (``exact``) with exactly version ``exact`` unless it is the one ``loaded``. Returns the version loaded, or
+        None when there was nothing to load. A newer version being published when none is held waits for that
+        publication. ``load`` runs without the store's lock, its buffers kept from the main thread until it returns.
+        An ``exact`` version that is not held is an error: versions are kept only with :attr:`keep_versions`, until
+        the batch generated with them has been consumed."""
         with self._lock:
-            target = self._newest if exact is None else exact
-            if target == loaded or (exact is None and target < loaded) or target < 0:
-                return None
-            if target not in self._published:
+            while True:
+                if exact is None:
+                    target = max(self._published, default=-1)
+                    writing = max(self._writing, default=-1)
+                    if target > loaded:
+                        break
+                    if writing > loaded:  # the only newer version is being written: wait for it
+                        self._changed.wait()
+                        continue
+                    return None
+                target = exact
+                if target == loaded or target < 0:
+                    return None
+                if target in self._published:
+                    break
+                if target in self._writing:
+                    self._changed.wait()
+                    continue
                 raise RuntimeError(
                     f"Weight version {target} is not held any more (kept: {sorted(self._published)}); it is kept only "
                     "with keep_versions=True and until the batch generated with it has been consumed."
                 )
             buffers, trainer_state = self._published[target]
+            self._use(buffers)
+        try:
             load(buffers, target, trainer_state)
-            return target
+        finally:
+            with self._lock:
+                self._done_with(buffers)
+        return target
 
     # ---- internals -------------------------------------------------------------------------------------------------
-    def _store(self, version: int, weights: Iterable[tuple[str, torch.Tensor]], trainer_state: Any) -> None:
-        """Under the lock: copy ``weights`` (``(name, tensor)`` for every staged name, consumed one at a time) into a
-        free buffer set as ``version``, cast to the staged dtypes, replacing an earlier copy of the same version."""
-        self._drop(lambda v: v == version)
-        buffers = self._free.pop() if self._free else self._allocate()
-        copied, devices = set(), {self.layout.device}
+    def _write(self, version: int, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]], trainer_state) -> None:
+        """Claim a set for ``version`` (under the lock), fill it from ``weights()`` (``(name, tensor)`` for every
+        staged name, consumed one at a time, cast to the staged dtypes; without the lock), then publish it (under
+        the lock), replacing an earlier copy of the same version. A failed fill frees the set again, unpublished."""
+        buffers = self._claim(version)
+        new = buffers is None
         try:
-            for name, tensor in weights:
-                buffers[name].copy_(tensor, non_blocking=True)
-                copied.add(name)
-                devices.add(tensor.device)
-            if copied != set(self.names):
-                raise RuntimeError(f"Weights of version {version} lack {sorted(set(self.names) - copied)}.")
-            wait_for_copies(devices)  # whole before the generation thread's stream reads them
+            if new:  # a new set: allocated outside the lock (pinning host memory takes a while)
+                buffers = self.layout.allocate()
+            self._fill(version, buffers, weights())
         except BaseException:
-            self._free.append(buffers)  # a half-written buffer set is free again, never published
+            with self._lock:
+                del self._writing[version]
+                if buffers is not None:
+                    self._free.append(buffers)  # a half-written set is free again, never published
+                elif new:
+                    self.allocated_sets -= 1  # its allocation failed
+                self._changed.notify_all()
             raise
-        self._published[version] = (buffers, trainer_state)
-        self._newest = max(self._newest, version)  # versions only grow between resets
+        with self._lock:
+            del self._writing[version]
+            self._published[version] = (buffers, trainer_state)
+            self._newest = max(self._newest, version)  # versions only grow between resets
+            self._changed.notify_all()
 
-    def _allocate(self) -> dict[str, torch.Tensor]:
-        self.allocated_sets += 1
-        return self.layout.allocate()
+    def _claim(self, version: int) -> dict[str, torch.Tensor] | None:
+        """Under the lock: drop what this publication replaces, then take a free set, or (None) reserve a new one.
+        Without :attr:`keep_versions` there is one set at most: wait until its reader is done with it."""
+        with self._lock:
+            if version in self._writing:
+                raise RuntimeError(f"Weight version {version} is being published already.")
+            self._drop(lambda v: v == version or not self.keep_versions)
+            while not self._free and not (self.keep_versions or self.allocated_sets == 0):
+                self._changed.wait()  # the generation thread is loading the only set
+            self._writing[version] = buffers = self._free.pop() if self._free else None
+            if buffers is None:
+                self.allocated_sets += 1
+            return buffers
+
+    def _fill(self, version: int, buffers: dict[str, torch.Tensor], weights: Iterable[tuple[str, torch.Tensor]]):
+        copied, devices = set(), {self.layout.device}
+        for name, tensor in weights:
+            buffers[name].copy_(tensor, non_blocking=True)
+            copied.add(name)
+            devices.add(tensor.device)
+        if copied != set(self.names):
+            raise RuntimeError(f"Weights of version {version} lack {sorted(set(self.names) - copied)}.")
+        wait_for_copies(devices)  # whole before the generation thread's stream reads them
+
+    def _use(self, buffers) -> None:
+        self._readers[id(buffers)] = self._readers.get(id(buffers), 0) + 1
+
+    def _done_with(self, buffers) -> None:
+        key = id(buffers)
+        self._readers[key] -= 1
+        if self._readers[key] == 0:
+            del self._readers[key]
+            if key in self._retired:
+                self._free.append(self._retired.pop(key))
+                self._changed.notify_all()
 
     def _drop(self, which) -> None:
+        """Under the lock: unpublish the versions ``which`` selects; their sets are free, or once their readers are
+        done with them."""
         for version in [v for v in self._published if which(v)]:
-            self._free.append(self._published.pop(version)[0])
+            buffers = self._published.pop(version)[0]
+            if id(buffers) in self._readers:
+                self._retired[id(buffers)] = buffers
+            else:
+                self._free.append(buffers)
+        self._changed.notify_all()
