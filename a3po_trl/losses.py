@@ -13,6 +13,10 @@ micro-step of the batch trains, and the training forward's own log-probs, detach
 runs. Otherwise (``steps_per_generation > gradient_accumulation_steps``, ``num_iterations > 1``) one no-grad forward
 over the whole generation batch computes them at its first micro-step, before any of its optimizer steps
 (:meth:`DecoupledLossMixin.attach_proximal_logps`), for all its micro-batches at once.
+
+Nothing here waits for the device at a micro-step: the metrics stay device tensors until ``log``
+(:mod:`a3po_trl.metrics.deferred`), and the proximal log-probs are timed with CUDA events read at log time. The one
+host read left is GRPOTrainer's adaptive entropy controller (``entropy_target`` set), once per optimizer step.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from .functional import (
     kl_to_reference,
     token_staleness,
 )
+from .metrics.deferred import IntervalTimer
 from .metrics.loss import approximation_error_metrics, behavior_drift_metrics, behavior_mismatch_metrics, loss_metrics
 from .timeline import TRAINING_LANE
 
@@ -67,12 +72,6 @@ def needs_recompute_forward(method: str, versions_training_batch: int) -> bool:
     return PROXIMAL_METHOD_TABLE[method].anchor == "current" and versions_training_batch > 1
 
 
-def _sync_if_cuda(device: torch.device) -> None:
-    """Wait for the device, so that a timing covers the kernels it started."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class DecoupledLossMixin:
     """``compute_loss`` of :class:`~a3po_trl.AsyncA3POTrainer`, with the proximal log-probs a generation batch needs
     (:meth:`attach_proximal_logps`, run at its first micro-step), mixed into a GRPOTrainer subclass.
@@ -83,10 +82,16 @@ class DecoupledLossMixin:
     (``behavior_logps``, ``token_versions``, ``versions_training_batch``, ``batch_index``, and where they apply
     ``sampling_logps``, ``ref_per_token_logps``) and the micro-batches of the generation batch being trained
     (GRPOTrainer's ``_buffered_inputs``), to which it adds ``recomputed_proximal_logps`` and ``recompute_version``.
-    Its own state is the seconds spent on proximal log-probs since the last log (``a3po/prox_time``).
+    Its own state is the timer of the proximal log-probs (``a3po/prox_time``: the seconds since the last micro-step's
+    metrics, device time on CUDA, read at log time).
     """
 
-    _proximal_seconds: float = 0.0
+    @property
+    def _proximal_timer(self) -> IntervalTimer:
+        timer = self.__dict__.get("_proximal_timer_instance")
+        if timer is None:
+            timer = self.__dict__["_proximal_timer_instance"] = IntervalTimer()
+        return timer
 
     def _attach_proximal_logps_if_due(self, inputs: dict) -> None:
         """At the first micro-step of a generation batch whose method anchors at the weights of its first optimizer
@@ -107,24 +112,27 @@ class DecoupledLossMixin:
             return
         device = self.accelerator.device
         start = time.perf_counter()
-        # the micro-batches were split from one padded batch: one call over their rows, in micro-batches
-        input_ids = torch.cat([torch.cat([b["prompt_ids"], b["completion_ids"]], dim=1) for b in micro_batches])
-        attention_mask = torch.cat([torch.cat([b["prompt_mask"], b["completion_mask"]], dim=1) for b in micro_batches])
-        with torch.no_grad():
-            logps = self._get_per_token_logps_and_entropies(
-                self.model,
-                input_ids,
-                attention_mask,
-                micro_batches[0]["completion_ids"].size(1),
-                batch_size=self.args.per_device_train_batch_size,
-            )[0]
-        for batch, batch_logps in zip(micro_batches, logps.split([b["prompt_ids"].size(0) for b in micro_batches])):
+        with self._proximal_timer.time(device):
+            # the micro-batches were split from one padded batch: one call over their rows, in micro-batches
+            input_ids = torch.cat([torch.cat([b["prompt_ids"], b["completion_ids"]], dim=1) for b in micro_batches])
+            attention_mask = torch.cat(
+                [torch.cat([b["prompt_mask"], b["completion_mask"]], dim=1) for b in micro_batches]
+            )
+            with torch.no_grad():
+                logps = self._get_per_token_logps_and_entropies(
+                    self.model,
+                    input_ids,
+                    attention_mask,
+                    micro_batches[0]["completion_ids"].size(1),
+                    batch_size=self.args.per_device_train_batch_size,
+                )[0]
+        rows = [b["prompt_ids"].size(0) for b in micro_batches]
+        for batch, batch_logps in zip(micro_batches, logps.split(rows)):
             batch["recomputed_proximal_logps"] = batch_logps
             batch["recompute_version"] = torch.full((batch_logps.size(0),), self.state.global_step, device=device)
-        _sync_if_cuda(device)
-        end = time.perf_counter()
-        self._proximal_seconds += end - start
-        self.timeline.record(TRAINING_LANE, "recompute forward", start, end, {"batch": batch_index})
+        # on CUDA the host's span: the forward's launch, which ends before its kernels do (a3po/prox_time has the
+        # device time); waiting for them here would stall the training thread
+        self.timeline.record(TRAINING_LANE, "recompute forward", start, time.perf_counter(), {"batch": batch_index})
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs:
@@ -142,13 +150,11 @@ class DecoupledLossMixin:
         where it runs, and reusing this forward's log-probs costs nothing)."""
         if method.anchor == "behavior":
             return inputs["behavior_logps"], None
-        start = time.perf_counter()
         loglinear = None
         if method.interpolates:
-            loglinear = approximate_proximal_logps(inputs["behavior_logps"], current_logps, staleness)
+            with self._proximal_timer.time(self.accelerator.device):
+                loglinear = approximate_proximal_logps(inputs["behavior_logps"], current_logps, staleness)
         if method.anchor == "loglinear":
-            _sync_if_cuda(self.accelerator.device)
-            self._proximal_seconds += time.perf_counter() - start
             return loglinear, loglinear
         recomputed = inputs.get("recomputed_proximal_logps")
         return (current_logps.detach() if recomputed is None else recomputed), loglinear
@@ -249,7 +255,7 @@ class DecoupledLossMixin:
             loss = self._add_entropy_bonus(loss, entropies, mask, entropy_mask, policy_loss, mode, accumulation)
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
-            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss.detach()).mean())
 
         self._log_loss_metrics(mode, mask, staleness, entropies, stats, per_token_kl)
         self._log(mode, behavior_mismatch_metrics(self.accelerator, current_logps, behavior_logps, mask, staleness))
@@ -283,13 +289,14 @@ class DecoupledLossMixin:
         else:
             apply_coef = self.entropy_coef
         loss = loss - apply_coef * entropy_loss
-        self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+        self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean())
         if self.use_adaptive_entropy and mode == "train":
             stats = torch.stack([(entropies * effective_mask).sum(), effective_mask.sum()]).detach()
             window = stats if self._entropy_window_stats is None else self._entropy_window_stats + stats
             self._entropy_window_stats = window
             if self.accelerator.sync_gradients:
                 totals = self.accelerator.reduce(window, reduction="sum")
+                # the controller decides on the host: the one read of the device per optimizer step (opt-in)
                 world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
                 delta = self.args.entropy_coef_delta
                 if world_entropy <= self.args.entropy_target:
@@ -313,9 +320,10 @@ class DecoupledLossMixin:
             max_staleness=self.args.max_staleness,
             loss_type=self.loss_type,
         )
-        values["a3po/prox_time"], self._proximal_seconds = self._proximal_seconds, 0.0
+        values["a3po/prox_time"] = self._proximal_timer.take()
         self._log(mode, values)
 
-    def _log(self, mode: str, values: dict[str, float]) -> None:
+    def _log(self, mode: str, values: dict) -> None:
+        """Append ``values`` (floats, device tensors, deferred seconds) to ``_metrics``; ``log`` resolves them."""
         for name, value in values.items():
-            self._metrics[mode][name].append(value)
+            self._metrics[mode][name].append(value.detach() if isinstance(value, torch.Tensor) else value)

@@ -7,7 +7,8 @@ and TRL's hooks.
   shares the generation backend).
 - ``_prepare_inputs`` takes the producer's scored batches, makes them training batches in the main thread
   (:mod:`a3po_trl.training_batch`: advantages over every process, reference and proximal log-probs), then buffers and
-  splits them as TRL does; ``compute_loss`` is the decoupled loss (:mod:`a3po_trl.losses`).
+  splits them as TRL does; ``compute_loss`` is the decoupled loss (:mod:`a3po_trl.losses`), whose metrics stay on the
+  device until ``log`` reads them all at once (:mod:`a3po_trl.metrics.deferred`).
 - A callback publishes the weights to the generator after every optimizer step.
 - Both threads record their spans on a timeline (:mod:`a3po_trl.timeline`), written to ``output_dir/timeline/`` at
   every checkpoint and when ``train`` ends, best effort; ``save_timeline`` draws it.
@@ -49,6 +50,7 @@ from .generation.weights.gather import whole_state_dict
 from .generation.weights.names import ACTIVATION_CHECKPOINT_PREFIX, strip_checkpoint_wrapper_from_files
 from .generation.weights.version_checkpoint import save_kept_versions
 from .losses import DecoupledLossMixin
+from .metrics.deferred import resolve_metrics
 from .patches import align_position_ids_with_generation
 from .rollout.prompt_draws import save_prompt_draws
 from .rollout.rollout_func import generate_completions
@@ -273,6 +275,11 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         path = path or os.path.join(self.args.output_dir, "timeline.png")
         trace = self.timeline.chrome_trace(self.accelerator.process_index)
         return draw_timeline(trace["traceEvents"], path, last_steps=last_steps)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        # The loss's metrics are device tensors until now (metrics/deferred.py): one read of the device per log.
+        resolve_metrics(self._metrics["train" if self.model.training else "eval"])
+        super().log(logs, start_time)
 
     def _state_snapshot(self):
         """A copy of the trainer state as it is now, for reward functions running beside the training thread."""

@@ -12,6 +12,7 @@ from tiny import digit_reward, length_reward, make_model, make_moe_model, make_p
 from trl import GRPOConfig, GRPOTrainer
 
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer, behavior_importance_weight
+from a3po_trl.metrics.deferred import resolve_metrics
 from a3po_trl.patches import align_position_ids_with_generation
 
 SETTINGS = dict(
@@ -98,6 +99,7 @@ def _compare(ours, theirs, inputs, trl_inputs):
         difference = (param.grad - theirs_grad).abs().max()
         assert torch.allclose(param.grad, theirs_grad, atol=1e-7, rtol=1e-5), (name, difference)
     ours_metrics, theirs_metrics = ours._metrics["train"], theirs._metrics["train"]
+    resolve_metrics(ours_metrics)  # ours are device tensors until logged
     for name, values in theirs_metrics.items():
         assert name in ours_metrics, f"GRPOTrainer logs {name!r}, AsyncA3POTrainer does not"
         assert ours_metrics[name][-1] == pytest.approx(values[-1], rel=1e-5, abs=1e-7, nan_ok=True), name
@@ -192,4 +194,5 @@ def test_behavior_ablation_is_grpo_trainers_loss_against_stale_weights_without_c
 
     ours.args.prox_logp_method = "loglinear"  # anchor a quarter of the way from the behavior policy, rho != 1
     assert not torch.allclose(ours.compute_loss(ours.model, inputs), theirs._compute_loss(theirs.model, trl_inputs))
+    resolve_metrics(metrics)
     assert metrics["a3po/importance_weight_mean"][-1] != 1.0

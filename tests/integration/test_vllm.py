@@ -166,6 +166,33 @@ def test_dynamic_sampling_with_a_colocated_engine_and_lora_trains_signal_carryin
     assert sum(logged(trainer, "a3po/dynamic_sampling_extra_batches")) == len(draws) - 3
     mismatch = logged(trainer, "a3po/behavior_mismatch_max")
     assert mismatch and max(mismatch) < LOGP_TOLERANCE  # rows of every draw carry the engine's log-probs
+def test_every_colocated_batch_is_generated_by_the_version_it_is_tagged_with(tokenizer, tmp_path, monkeypatch):
+    """The engine's own report (``CompletionOutput.weight_versions``, the label set at every load) of every token of
+    every batch of a run is the version the batch is tagged with; a batch sampled by other weights fails."""
+    from a3po_trl.generation.vllm import colocate
+    from a3po_trl.generation.vllm.weight_versions import WeightVersionMismatch
+
+    reported = []
+    check = colocate.check_outputs_version
+
+    def recording(outputs, version):
+        labels = {span.version for output in outputs for done in output.outputs for span in done.weight_versions}
+        reported.append((labels, version))
+        check(outputs, version)
+
+    monkeypatch.setattr(colocate, "check_outputs_version", recording)
+    trainer = make_vllm_trainer(tokenizer, tmp_path, max_staleness=1, max_steps=3)
+    trainer.train()
+    tags = [int(v) for v in logged(trainer, "async/generator_version")]
+    assert len(tags) == 3 and tags[-1] >= 1
+    assert reported == [({str(tag)}, tag) for tag in tags]
+    backend = trainer._backend
+    try:
+        backend.llm.update_weight_version("elsewhere")  # weights changed behind the backend's back
+        with pytest.raises(WeightVersionMismatch, match="by 'elsewhere'"):
+            backend.generate([[5, 6, 7]], None, seed=1)
+    finally:
+        backend.close()
 
 
 def test_a_multi_turn_rollout_generates_every_turn_with_the_engine_and_its_logps_match(tokenizer, tmp_path):
@@ -432,6 +459,27 @@ def test_two_training_processes_share_one_server_with_their_own_adapters(tmp_pat
     )
     _check_two_process_run(result, reports)
     assert reports[0]["adapter"][0] != reports[1]["adapter"][0]  # each process its own adapter
+
+
+def test_every_server_batch_is_generated_by_the_version_the_server_is_labelled_with(tokenizer, tmp_path, vllm_server):
+    import requests
+
+    from a3po_trl.generation.vllm.weight_versions import WeightVersionMismatch
+
+    trainer = make_server_trainer(tokenizer, tmp_path, vllm_server)
+    backend = trainer._build_backend()
+    url, prompts = vllm_server["url"], [[5, 6, 7], [5, 6, 7]]
+    try:
+        for version in range(2):
+            backend.publish(trainer._unwrapped_model(), version)
+            assert backend.refresh()
+            assert requests.get(f"{url}/weight_info", timeout=10).json() == {"weight_version": str(version)}
+            backend.generate(prompts, None, seed=1)
+        requests.post(f"{url}/update_weight_version", json={"new_version": "elsewhere"}, timeout=10)
+        with pytest.raises(WeightVersionMismatch, match="'elsewhere' before"):
+            backend.generate(prompts, None, seed=1)
+    finally:
+        backend.close()
 
 
 def test_server_full_weight_versions_reload_and_their_logps_match_the_trainer(tokenizer, tmp_path, vllm_server):

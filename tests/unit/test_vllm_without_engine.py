@@ -29,8 +29,15 @@ class FakeCompletionsEndpoint:
 
     def __init__(self):
         self.payloads = []
+        self.label = "default"  # the server's weight label (vLLM's dev-mode /update_weight_version, /weight_info)
+
+    def get(self, path):
+        return {"weight_version": self.label} if path == "/weight_info" else {"data": [{"id": "tiny"}]}
 
     def __call__(self, path, timeout, json):
+        if path == "/update_weight_version":
+            self.label = json["new_version"]
+            return {"success": True}
         assert path == "/v1/completions"
         self.payloads.append(json)
         prompts = json["prompt"] if isinstance(json["prompt"][0], list) else [json["prompt"]]
@@ -50,7 +57,11 @@ def server_backend(monkeypatch, tokenizer):
 
     monkeypatch.setattr(VLLMServerBackend, "_wait_for_server", lambda self, timeout: None)
     monkeypatch.setattr(VLLMServerBackend, "_check_server_config", lambda self: None)
-    monkeypatch.setattr(VLLMServerBackend, "_get", lambda self, path, timeout, **kwargs: {"data": [{"id": "tiny"}]})
+    endpoint = FakeCompletionsEndpoint()
+    monkeypatch.setattr(VLLMServerBackend, "_get", lambda self, path, timeout, **kwargs: endpoint.get(path))
+    monkeypatch.setattr(
+        VLLMServerBackend, "_post", lambda self, path, timeout, json=None: endpoint(path, timeout, json)
+    )
     args = SimpleNamespace(
         vllm_server_base_url="http://127.0.0.1:1",
         weight_sync_timeout=5.0,
@@ -59,7 +70,7 @@ def server_backend(monkeypatch, tokenizer):
         vllm_server_timeout=1.0,
     )
     backend = VLLMServerBackend(make_model(tokenizer), args, VLLMSamplingSettings(max_tokens=4), torch.device("cpu"))
-    backend._post = FakeCompletionsEndpoint()
+    backend._post = endpoint
     yield backend
     backend.close()
 
@@ -126,6 +137,44 @@ def test_a_stopping_trainer_ends_a_server_batch_without_waiting_for_its_requests
     slow.set()
 
 
+# ---- the weight version vLLM reports ------------------------------------------------------------------------------
+
+
+def test_a_server_batch_fails_unless_the_server_holds_its_version_before_and_after(server_backend):
+    from a3po_trl.generation.vllm.weight_versions import WeightVersionMismatch
+
+    endpoint = server_backend._post
+    assert endpoint.label == "-1"  # labelled at start: the weights the backend's version -1 stands for
+    server_backend.generate([A, B], None, seed=1)
+    endpoint.label = "3"  # another client put other weights on the server
+    with pytest.raises(WeightVersionMismatch, match="'3' before a batch tagged with version '-1'"):
+        server_backend.generate([A, B], None, seed=1)
+
+    def relabelled_while_generating(path, timeout, json):
+        endpoint.label = "4"  # ... while this batch's requests were in flight
+        return endpoint(path, timeout, json)
+
+    endpoint.label = "-1"
+    server_backend._post = relabelled_while_generating
+    with pytest.raises(WeightVersionMismatch, match="'4' after"):
+        server_backend.generate([A, B], None, seed=1)
+
+
+def test_colocated_outputs_must_be_labelled_with_the_batch_version_throughout():
+    from a3po_trl.generation.vllm.weight_versions import WeightVersionMismatch, check_outputs_version
+
+    def output(*spans):
+        spans = None if spans == (None,) else [SimpleNamespace(version=v, start=a, end=b) for v, a, b in spans]
+        return SimpleNamespace(request_id="r", outputs=[SimpleNamespace(weight_versions=spans)])
+
+    check_outputs_version([output(("2", 0, 5)), output(("2", 0, 1))], 2)
+    with pytest.raises(WeightVersionMismatch, match=r"tokens \[3, 5\) by '3'"):  # a load in the middle of the batch
+        check_outputs_version([output(("2", 0, 5)), output(("2", 0, 3), ("3", 3, 5))], 2)
+    with pytest.raises(WeightVersionMismatch, match="no weight version"):
+        check_outputs_version([output(None)], 2)
+    check_outputs_version([SimpleNamespace(request_id="r", outputs=[SimpleNamespace()])], 2)  # vLLM < 0.32
+
+
 # ---- a full-weight server shared by two processes: one file per version --------------------------------------------
 
 
@@ -135,9 +184,12 @@ class FakeReloadingServer:
 
     def __init__(self):
         self.reloads = []
+        self.labels = []
 
     def endpoint(self, backend):
         def post(path, timeout, json=None):
+            if path == "/update_weight_version":
+                self.labels.append(json["new_version"])
             if path == "/collective_rpc" and json["method"] == "reload_weights":
                 from safetensors.torch import load_file
 
@@ -201,6 +253,7 @@ def test_a_shared_server_is_loaded_from_one_file_per_version_written_by_the_proc
             thread.join(10)
         assert [b.version for b in backends] == [version, version]
     assert [version for _, version in server.reloads] == [0.0, 1.0, 2.0]  # each version loaded once
+    assert server.labels == ["0", "1", "2"]  # ... and labelled by the process that loaded it
     assert written == [{torch.bfloat16}] * 3  # ... from one file, written by one process, in the server's dtype
     for backend in backends:
         backend.close()
@@ -215,6 +268,10 @@ class FakeLLM:
     def __init__(self, **kwargs):
         self.llm_engine = None
         self.loaded: dict[str, torch.Tensor] = {}
+        self.labels: list[str] = []
+
+    def update_weight_version(self, label):
+        self.labels.append(label)
 
     def collective_rpc(self, method, kwargs=None):
         if method == "reload_weights":
@@ -258,6 +315,7 @@ def test_the_thousandth_merged_version_is_an_exact_merge_of_the_untouched_base(m
             backend.publish(module, version)
             assert backend.refresh()
     pushed = backend.llm.loaded
+    assert backend.llm.labels == ["-1", *map(str, range(1000))]  # the engine's label: the start, then every load
 
     exact = copy.deepcopy(module)  # the trainer's base never moves: a copy of it now is pristine
     exact.merge_adapter()

@@ -16,6 +16,8 @@ weights move without serialization:
 Versions are staged (:class:`~a3po_trl.generation.weights.VersionedWeights`) on the engine's GPU when the memory
 plan finds room for the copy there, so a version never leaves the GPU (gather -> staging -> engine); otherwise in
 pinned host memory, which costs two PCIe crossings of the version (see docs/GPU.md). The plan logs its choice.
+Every load labels the engine's weights with the version (``LLM.update_weight_version``), and every batch checks that
+vLLM sampled all its tokens with weights of that label (:mod:`~a3po_trl.generation.vllm.weight_versions`).
 
 Generation steps the engine request by request (``add_request`` / ``step``), so ``should_stop`` ends a batch within
 one decoding step.
@@ -47,6 +49,7 @@ from .weight_loading import (
     vllm_staging_layout,
     write_lora_adapter,
 )
+from .weight_versions import INITIAL_VERSION_LABEL, check_outputs_version, version_label
 from .worker import repack_lm_head
 
 logger = logging.getLogger(__name__)
@@ -118,6 +121,9 @@ class VLLMColocateBackend(GenerationBackend):
         if self._use_adapters:
             kwargs.update(enable_lora=True, max_lora_rank=lora_slot_rank(self._peft_config.r), max_loras=1)
         self.llm = LLM(model=model_path, logprobs_mode="processed_logprobs", **kwargs)
+        self._label = getattr(self.llm, "update_weight_version", None)  # vLLM 0.32; None before: not checked
+        if self._label is not None:
+            self._label(INITIAL_VERSION_LABEL)
 
     # ---- generation thread ---------------------------------------------------------------------------------------
     def load_weights(self, weights, version):
@@ -127,6 +133,9 @@ class VLLMColocateBackend(GenerationBackend):
             self._load_merged(weights)
         else:
             self._reload((vllm_weight_name(name), tensor) for name, tensor in weights.items())
+        # what the engine samples from now on is labelled with this version (checked in generate)
+        if self._label is not None:
+            self._label(version_label(version))
         # the engine's copies from the staging buffers, queued on this thread's stream, are done before the main
         # thread may overwrite the buffers (the store releases them when this returns)
         wait_for_copies([self.device])
@@ -182,7 +191,9 @@ class VLLMColocateBackend(GenerationBackend):
         except BaseException:
             llm_engine.abort_request([r for r in request_ids if r not in finished])
             raise
-        return completions_from_outputs([finished[r] for r in request_ids], self.sampling.stop_token_ids)
+        outputs = [finished[r] for r in request_ids]
+        check_outputs_version(outputs, self.version)
+        return completions_from_outputs(outputs, self.sampling.stop_token_ids)
 
     def close(self) -> None:
         if self._closed:
