@@ -190,12 +190,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--checks", default=",".join(CHECK_NAMES), help="comma list of checks (default: all)")
     parser.add_argument("--report", default=None, help="write every check's figures and verdict to this JSON file")
     parser.add_argument("--timeout-scale", type=float, default=1.0, help="multiply every check's timeout")
+    parser.add_argument(
+        "--timeout", action="append", default=[], metavar="CHECK=SECONDS", help="one check's timeout (repeatable)"
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     unknown = [name for name in args.checks.split(",") if name not in CHECK_NAMES]
     if unknown:
         parser.error(f"unknown check(s) {unknown}: choose from {CHECK_NAMES}")
+    try:
+        args.timeouts = {name: float(seconds) for name, seconds in (item.split("=", 1) for item in args.timeout)}
+    except ValueError:
+        parser.error(f"--timeout takes CHECK=SECONDS, got {args.timeout}")
+    if set(args.timeouts) - set(CHECK_NAMES):
+        parser.error(f"--timeout names unknown check(s) {sorted(set(args.timeouts) - set(CHECK_NAMES))}")
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the time per step is measured after the first)")
     return args
@@ -211,7 +220,7 @@ def main(argv=None) -> int:
     entries, environment = [], {}
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as workdir:
         for number, name in enumerate(names, 1):
-            timeout = TIMEOUTS[name][1 if args.cpu else 0] * args.timeout_scale
+            timeout = args.timeouts.get(name, TIMEOUTS[name][1 if args.cpu else 0] * args.timeout_scale)
             missing = vllm_missing() if name.startswith("vllm") else None
             if missing:
                 print(f"\n=== [{number}/{len(names)}] {name}: SKIPPED: {missing}", flush=True)
