@@ -159,17 +159,18 @@ def weights_after_sync(trainer) -> dict | None:
 
 # ---- memory ---------------------------------------------------------------------------------------------------------
 def planned_memory(backend) -> dict | None:
-    """What the memory plan predicted for the generator, in bytes: ``{"device": ..., "host": ..., "text": ...}``.
+    """What the memory plan predicted for the generator, in bytes: ``{"device": ..., "host": ..., "text": ...}``,
+    ``device`` on the generation device (the CPU in a CPU run), ``host`` in host memory beside a GPU (vLLM's pinned
+    staging; 0 in a CPU run).
 
-    An adapter over today's :class:`~a3po_trl.generation.weights.memory_plan.GeneratorMemoryPlan` (``bytes_on`` per
-    device: the host's items are the pinned staging buffers of vLLM); when the plan counts host memory itself, read
-    its host figure here."""
+    An adapter over today's :class:`~a3po_trl.generation.weights.memory_plan.GeneratorMemoryPlan`, which lists items
+    per device (``bytes_on``); when the plan counts host memory itself, read its host figure here."""
     plan = getattr(backend, "memory_plan", None)
     if plan is None:
         return None
-    device = sum(plan.bytes_on(d) for d in plan.devices if d.type != "cpu")
-    host = sum(plan.bytes_on(d) for d in plan.devices if d.type == "cpu")
-    return {"device": device, "host": host, "text": plan.describe()}
+    generation = plan.setup.generation_device
+    host = plan.bytes_on(torch.device("cpu")) if generation.type != "cpu" else 0
+    return {"device": plan.bytes_on(generation), "host": host, "text": plan.describe()}
 
 
 def pinned_host_bytes() -> dict | None:

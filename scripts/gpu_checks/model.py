@@ -127,7 +127,7 @@ LEARNING_RATES = {("cpu", "lora"): 1e-2, ("cpu", "full"): 3e-3, ("cuda", "lora")
 #: The shape of a step: per-device batch, completions per prompt, completion tokens.
 SHAPES = {
     "cpu": dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=16),
-    "cuda": dict(per_device_train_batch_size=16, num_generations=8, max_completion_length=64),
+    "cuda": dict(per_device_train_batch_size=16, num_generations=8, max_completion_length=48),
 }
 
 

@@ -137,8 +137,8 @@ def test_every_async_run_reports_weights_memory_and_time(cpu_run):
             assert sync["version"] == sync["trainer_step"] == run["final_step"], name
         memory = run["memory"]
         assert memory["peak_device_bytes"] is None and memory["pinned_host_bytes"] is None, name  # GPU-only figures
-        assert memory["plan_device_bytes"] is None  # the plan's items are all on the CPU here
-        assert memory["plan_host_bytes"] > 0 and memory["model_bytes"] > 0 and "total" in memory["plan"], name
+        assert memory["plan_device_bytes"] > 0 and memory["plan_host_bytes"] == 0 and "total" in memory["plan"], name
+        assert memory["predicted_device_bytes"] == memory["model_bytes"] + memory["plan_device_bytes"], name
         timing = run["time"]
         assert all(timing[part] >= 0 for part in TIME_PARTS), name
         assert timing["step"] > 0 and timing["training"] > 0 and timing["ideal_step"] > 0, name
