@@ -18,6 +18,7 @@ LOGGED = {
     "loss": "loss",
     "grad_norm": "grad_norm",
     "reward": "reward",
+    "generator_version": "async/generator_version",
     "behavior_mismatch_mean": "a3po/behavior_mismatch_mean",
     "behavior_mismatch_max": "a3po/behavior_mismatch_max",
     "staleness_mean": "a3po/staleness_mean",

@@ -96,7 +96,11 @@ def test_cpu_plan_passes_every_check(cpu_run):
         if entry["skipped"]:  # only the vLLM checks, only where vLLM is missing, with the reason
             assert entry["name"].startswith("vllm") and not HAVE_VLLM and "vLLM is not installed" in entry["skipped"]
         else:
-            assert entry["seconds"] > 0 and entry["warnings"] == [], entry["name"]
+            assert entry["seconds"] > 0, entry["name"]
+            # the one warning the CPU plan may give: after a resume, the same samples from the same versions, but
+            # losses that differ in the last bits (reported by the check, see docs/GPU.md)
+            expected = "a3po-s2/resumed: the same samples, but losses differ"
+            assert all(warning.startswith(expected) for warning in entry["warnings"]), entry["warnings"]
     environment = report["environment"]
     assert environment["device"] == "cpu" and environment["parameters"] > 0
     assert environment["versions"]["trl"] and environment["versions"]["torch"]
@@ -166,7 +170,7 @@ def test_each_check_reports_its_own_figures(cpu_run):
     # the peaked model shows bf16's mismatch (about 1e-2 nats), far above fp32's rounding (about 1e-6)
     assert peaked["bf16"]["mean"] > 1e-3 and peaked["fp32"]["mean"] < 1e-4
     resume = entries["reproducible-resume"]
-    assert resume["resume"]["rewards_identical"] is True
+    assert resume["resume"]["rewards_identical"] is True and resume["resume"]["generator_versions_identical"] is True
     assert [s["step"] for s in resume["runs"][1]["steps"]] == [3, 4]
     assert resume["runs"][0]["settings"]["reproducible_generation"] is True
     assert entries["recompute"]["recompute_forward_seconds_per_step"] > 0
