@@ -217,6 +217,8 @@ def vllm_colocate(cpu: bool, steps: int) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     setup = make_setup(cpu, steps, size="tiny-vllm" if cpu else None)
     settings = dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=256, bf16=not cpu)
+    if cpu:  # an in-process engine on CPU makes torch.set_num_threads a no-op: OMP_NUM_THREADS sets them instead
+        settings.update(generation_num_threads=None, training_num_threads=None)
     dtype = torch.float32 if cpu else torch.bfloat16
     runs = []
     for kind in ("a3po-s0", "a3po-s1"):

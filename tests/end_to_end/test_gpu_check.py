@@ -108,7 +108,7 @@ def test_cpu_plan_passes_every_check(cpu_run):
 
 def test_progress_is_printed_check_by_check(cpu_run):
     completed, _ = cpu_run
-    headers = re.findall(r"^=== \[(\d+)/(\d+)\] (\S+)", completed.stdout, re.M)
+    headers = re.findall(r"^=== \[(\d+)/(\d+)\] ([\w-]+)", completed.stdout, re.M)
     assert [name for _, _, name in headers] == CHECKS
     assert [int(number) for number, _, _ in headers] == list(range(1, len(CHECKS) + 1))
     for name in CHECKS[:-1]:
@@ -174,6 +174,22 @@ def test_each_check_reports_its_own_figures(cpu_run):
     assert [s["step"] for s in resume["runs"][1]["steps"]] == [3, 4]
     assert resume["runs"][0]["settings"]["reproducible_generation"] is True
     assert entries["recompute"]["recompute_forward_seconds_per_step"] > 0
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAVE_VLLM, reason="needs vLLM (scripts/setup_vllm.sh builds its environment)")
+def test_the_vllm_check_runs_where_vllm_is_installed(tmp_path):
+    out = tmp_path / "r.json"
+    completed = _run(["--checks", "vllm-colocate", "--report", str(out)])
+    entry = _entries(json.loads(out.read_text()))["vllm-colocate"]
+    assert completed.returncode == 0 and entry["passed"] is True, completed.stdout[-4000:]
+    assert entry["skipped"] is None and [run["name"] for run in entry["runs"]] == [
+        "a3po-s0/vllm-colocate",
+        "a3po-s1/vllm-colocate",
+    ]
+    for run in entry["runs"]:
+        assert run["weights_after_sync"] is None and run["time"]["generation"] > 0, run["name"]
+        assert all(s.get("behavior_mismatch_mean", 0) < 1e-4 for s in run["steps"]), run["name"]  # fp32 on CPU
 
 
 # ---- faults the plan must catch -------------------------------------------------------------------------------------
