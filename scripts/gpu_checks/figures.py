@@ -177,7 +177,7 @@ def planned_memory(backend) -> dict | None:
 def pinned_host_bytes() -> dict | None:
     """Pinned host memory held by torch's caching host allocator (rounded to powers of two as it allocates), now and
     at its peak, and the number of allocations; None without CUDA."""
-    if not torch.cuda.is_available() or not hasattr(torch.cuda, "host_memory_stats"):  # torch < 2.7 has no stats
+    if not torch.cuda.is_available() or not hasattr(torch.cuda, "host_memory_stats"):  # an older torch has no stats
         return None
     stats = torch.cuda.host_memory_stats()
     return {
