@@ -1,9 +1,9 @@
-"""scripts/gpu_check.py: ``--cpu`` passes and reports every step; a broken generator or a crash makes it fail; its
-checking function flags each kind of bad number.
+"""scripts/gpu_check.py: ``--cpu --report`` runs every check, each in its own process, and writes a report whose every
+check passed with its figures; a generator that misses weight syncs, a crash and a hang each fail their check (and a
+hang costs only that check); the verdict flags each kind of bad number.
 
-The ``--cpu`` runs are subprocesses (as CI runs the script); the fault runs load the script in a subprocess, break one
-thing (the generator never loads new weights; a reward function that raises in the generation thread) and call its
-``main``. Timings are never asserted, only that they were measured.
+The script runs as a subprocess, as CI runs it; faults are put into its check processes by a ``sitecustomize`` module
+on their ``PYTHONPATH`` (it runs at every interpreter start). Timings are never asserted, only that they were measured.
 """
 
 import importlib.util
@@ -19,146 +19,244 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.py")
+#: Every check the plan must run, in order (written out here: a check dropped from the script fails the test).
+CHECKS = [
+    "environment",
+    "lora-bf16",
+    "full-bf16",
+    "full-fp32",
+    "lora-fp32",
+    "balanced",
+    "peaked",
+    "reproducible-resume",
+    "recompute",
+    "vllm-colocate",
+]
 PAIRS = ["lora-bf16", "full-bf16", "full-fp32", "lora-fp32"]
 KINDS = {"a3po-s1": 1, "a3po-s0": 0, "grpo": None}
+TIME_PARTS = ["generation", "training", "weight_sync", "trainer_idle", "generator_idle", "step", "ideal_step"]
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
 
-def load_gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+def load_verdict():
+    spec = importlib.util.spec_from_file_location(
+        "gpu_check_verdict", os.path.join(ROOT, "scripts", "gpu_checks", "verdict.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def _env():
-    pythonpath = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+def _run(arguments, fault_dir=None, timeout=900):
+    paths = [fault_dir, ROOT, os.environ.get("PYTHONPATH")]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in paths if p),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    command = [sys.executable, SCRIPT, "--cpu", *arguments]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
-def _run(command, timeout=300):
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=_env())
+def _with_fault(tmp_path, code: str) -> str:
+    """A folder holding a ``sitecustomize`` that runs ``code`` in the check processes (not in the parent)."""
+    folder = tmp_path / "fault"
+    folder.mkdir()
+    guard = "import sys\nif '--child' in sys.argv:\n"
+    (folder / "sitecustomize.py").write_text(guard + textwrap.indent(textwrap.dedent(code), "    "))
+    return str(folder)
+
+
+def _entries(report):
+    return {entry["name"]: entry for entry in report["checks"]}
 
 
 # ---- the CPU plan ---------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gpu-check") / "cpu.json"
-    completed = _run([sys.executable, SCRIPT, "--cpu", "--out", str(out)])
+    out = tmp_path_factory.mktemp("gpu-check") / "r.json"
+    completed = _run(["--report", str(out)])
+    assert out.is_file(), completed.stdout[-4000:] + completed.stderr[-4000:]
     with open(out) as f:
         report = json.load(f)
     return completed, report
 
 
-def test_cpu_plan_passes(cpu_run):
+def test_cpu_plan_passes_every_check(cpu_run):
     completed, report = cpu_run
-    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
+    failures = [(e["name"], e["failures"], e["error"]) for e in report["checks"] if not e["passed"]]
+    assert completed.returncode == 0 and not failures, (failures, completed.stdout[-3000:])
     assert completed.stdout.rstrip().endswith("GPU CHECK PASSED")
-    assert report["passed"] is True and report["failures"] == [] and report["warnings"] == []
-    assert report["environment"]["device"] == "cpu" and report["environment"]["parameters"] > 0
+    assert report["passed"] is True
+    assert [entry["name"] for entry in report["checks"]] == CHECKS  # one entry per check, none missing
+    for entry in report["checks"]:
+        assert entry["passed"] is True and entry["error"] is None and entry["failures"] == [], entry["name"]
+        assert isinstance(entry["seconds"], float), entry["name"]
+        if entry["skipped"]:  # only the vLLM checks, only where vLLM is missing, with the reason
+            assert entry["name"].startswith("vllm") and not HAVE_VLLM and "vLLM is not installed" in entry["skipped"]
+        else:
+            assert entry["seconds"] > 0, entry["name"]
+            # the one warning the CPU plan may give: after a resume, the same samples from the same versions, but
+            # losses that differ in the last bits (reported by the check, see docs/GPU.md)
+            expected = "a3po-s2/resumed: the same samples, but losses differ"
+            assert all(warning.startswith(expected) for warning in entry["warnings"]), entry["warnings"]
+    environment = report["environment"]
+    assert environment["device"] == "cpu" and environment["parameters"] > 0
+    assert environment["versions"]["trl"] and environment["versions"]["torch"]
 
 
-def test_cpu_plan_runs_every_pair_and_prints_every_step(cpu_run):
-    completed, report = cpu_run
-    names = [f"{kind}/{pair}" for pair in PAIRS for kind in KINDS]
-    assert [run["name"] for run in report["runs"]] == names
-    for name in names:
-        for step in (1, 2, 3):
-            assert re.search(rf"^  \[{re.escape(name)}\] step {step}, [0-9.]+ s, loss ", completed.stdout, re.M), name
-        assert re.search(rf"^\| {re.escape(name)} \| (bfloat16|float32) \| [0-9.]+ \|", completed.stdout, re.M), name
-    for name in names:
-        if not name.startswith("grpo"):
-            assert re.search(rf"^  {re.escape(name)} : grpo/\S+ = [0-9.]+$", completed.stdout, re.M), name
+def test_progress_is_printed_check_by_check(cpu_run):
+    completed, _ = cpu_run
+    headers = re.findall(r"^=== \[(\d+)/(\d+)\] ([\w-]+)", completed.stdout, re.M)
+    assert [name for _, _, name in headers] == CHECKS
+    assert [int(number) for number, _, _ in headers] == list(range(1, len(CHECKS) + 1))
+    for name in CHECKS[:-1]:
+        assert re.search(rf"^=== {re.escape(name)}: PASSED \(\d+ s\)$", completed.stdout, re.M), name
+    for pair in PAIRS:
+        for kind in KINDS:
+            for step in (1, 2, 3):
+                line = rf"^    \[{re.escape(kind)}/{pair}\] step {step}, [0-9.]+ s, loss "
+                assert re.search(line, completed.stdout, re.M), (kind, pair, step)
 
 
-def test_cpu_plan_numbers_are_sane(cpu_run):
+def _a3po_runs(report):
+    for entry in report["checks"]:
+        for run in entry.get("runs", []):
+            if run["trainer"] == "AsyncA3POTrainer":
+                yield entry["name"], run
+
+
+def test_every_async_run_reports_weights_memory_and_time(cpu_run):
     _, report = cpu_run
-    for run in report["runs"]:
-        name, steps = run["name"], run["steps"]
-        assert run["error"] is None, name
-        assert run["max_staleness"] == KINDS[run["kind"]], name
-        assert [step["step"] for step in steps] == [1, 2, 3], name
-        for step in steps:
-            assert step["seconds"] > 0 and step["peak_memory_gib"] is None, name  # no GPU memory on CPU
-            assert math.isfinite(step["loss"]) and math.isfinite(step["grad_norm"]), name
-        if run["trainer"] == "GRPOTrainer":
-            assert run["dtypes"] == {} and "staleness_max" not in steps[0], name
-            continue
-        # on-policy tokens at step 1 always, at every step with staleness 0: generator and trainer agree to bf16
-        # rounding of a 2-layer model (about 1e-4)
-        measured = [step for step in steps if "behavior_mismatch_mean" in step]
-        assert [step["step"] for step in measured] == ([1, 2, 3] if run["max_staleness"] == 0 else [1]), name
-        assert all(0 <= step["behavior_mismatch_mean"] < 5e-3 for step in measured), name
-        assert steps[0]["staleness_max"] == 0 and all(s["staleness_max"] <= run["max_staleness"] for s in steps), name
-        if run["max_staleness"] == 1:  # stale tokens: one step moved the policy by more than the mismatch threshold
-            assert all(s["drift_per_step"] > load_gpu_check().MAX_BEHAVIOR_MISMATCH for s in steps[1:]), name
-        assert set(run["dtypes"]) == {"training weights", "generator copy", "staging buffer"}, name
-        assert "not found" not in run["dtypes"].values(), (name, run["dtypes"])  # the introspection names are current
-        expected = "bfloat16" if run["model_dtype"] == "bfloat16" else "float32"
-        assert run["dtypes"]["training weights"].startswith(expected), (name, run["dtypes"])
-        ratio = report["ratios"][name]
-        assert math.isfinite(ratio) and ratio > 0, name
+    runs = list(_a3po_runs(report))
+    assert len(runs) >= 14
+    for check, run in runs:
+        name = f"{check}/{run['name']}"
+        assert run["error"] is None and run["steps"], name
+        assert all(math.isfinite(s["loss"]) and s["peak_memory_bytes"] is None for s in run["steps"]), name
+        if run.get("backend", "generate") == "generate":
+            sync = run["weights_after_sync"]
+            assert sync["identical"] is True and sync["max_abs_diff"] == 0.0 and sync["weights"] > 0, name
+            assert sync["version"] == sync["trainer_step"] == run["final_step"], name
+        memory = run["memory"]
+        assert memory["peak_device_bytes"] is None and memory["pinned_host_bytes"] is None, name  # GPU-only figures
+        assert memory["plan_device_bytes"] > 0 and memory["plan_host_bytes"] == 0 and "total" in memory["plan"], name
+        assert memory["predicted_device_bytes"] == memory["model_bytes"] + memory["plan_device_bytes"], name
+        timing = run["time"]
+        assert all(timing[part] >= 0 for part in TIME_PARTS), name
+        assert timing["step"] > 0 and timing["training"] > 0 and timing["ideal_step"] > 0, name
+        assert timing["ideal_step"] <= timing["step"] * 1.05, name  # no run beats a perfect overlap
+        assert timing["steps_timed"] == len(run["steps"]) - 1, name
 
 
-# ---- faults the CPU plan must catch ---------------------------------------------------------------------------------
-def _run_with_fault(fault: str, runs: str, tmp_path):
-    """Run the script's ``main`` in a subprocess after ``fault`` (Python code with ``gpu_check`` the loaded script)."""
-    out = tmp_path / "report.json"
-    driver = textwrap.dedent(
-        f"""
-        import importlib.util, sys
-        spec = importlib.util.spec_from_file_location("gpu_check", {SCRIPT!r})
-        gpu_check = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(gpu_check)
-        """
-    )
-    driver += textwrap.dedent(fault)
-    driver += f"\nsys.exit(gpu_check.main(['--cpu', '--runs', {runs!r}, '--out', {str(out)!r}]))\n"
-    completed = _run([sys.executable, "-c", driver])
-    with open(out) as f:
-        return completed, json.load(f)
+def test_each_check_reports_its_own_figures(cpu_run):
+    _, report = cpu_run
+    entries = _entries(report)
+    for pair in PAIRS:
+        entry = entries[pair]
+        assert [run["name"] for run in entry["runs"]] == [f"{kind}/{pair}" for kind in KINDS]
+        for kind, staleness in KINDS.items():
+            run = next(r for r in entry["runs"] if r["kind"] == kind)
+            assert run["max_staleness"] == staleness and len(run["steps"]) == 3, (pair, kind)
+        grpo = entry["runs"][2]["time"]
+        assert grpo["generation"] > 0 and grpo["step"] > 0, pair
+        for kind in ("a3po-s1", "a3po-s0"):
+            assert entry["vs_grpo"][f"{kind}/{pair}"] > 0 and entry["vs_ideal"][f"{kind}/{pair}"] >= 0.95, pair
+    balanced = entries["balanced"]
+    assert balanced["gradient_accumulation_steps"] >= 1 and balanced["generation_over_training"] > 0
+    assert balanced["calibration"]["generation"] > 0 and balanced["calibration"]["training"] > 0
+    peaked = entries["peaked"]["mismatch"]
+    # the peaked model shows bf16's mismatch (about 1e-2 nats), far above fp32's rounding (about 1e-6)
+    assert peaked["bf16"]["mean"] > 1e-3 and peaked["fp32"]["mean"] < 1e-4
+    resume = entries["reproducible-resume"]
+    assert resume["resume"]["rewards_identical"] is True and resume["resume"]["generator_versions_identical"] is True
+    assert [s["step"] for s in resume["runs"][1]["steps"]] == [3, 4]
+    assert resume["runs"][0]["settings"]["reproducible_generation"] is True
+    assert entries["recompute"]["recompute_forward_seconds_per_step"] > 0
 
 
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAVE_VLLM, reason="needs vLLM (scripts/setup_vllm.sh builds its environment)")
+def test_the_vllm_check_runs_where_vllm_is_installed(tmp_path):
+    out = tmp_path / "r.json"
+    completed = _run(["--checks", "vllm-colocate", "--report", str(out)])
+    entry = _entries(json.loads(out.read_text()))["vllm-colocate"]
+    assert completed.returncode == 0 and entry["passed"] is True, completed.stdout[-4000:]
+    assert entry["skipped"] is None and [run["name"] for run in entry["runs"]] == [
+        "a3po-s0/vllm-colocate",
+        "a3po-s1/vllm-colocate",
+    ]
+    for run in entry["runs"]:
+        assert run["weights_after_sync"] is None and run["time"]["generation"] > 0, run["name"]
+        assert all(s.get("behavior_mismatch_mean", 0) < 1e-4 for s in run["steps"]), run["name"]  # fp32 on CPU
+
+
+# ---- faults the plan must catch -------------------------------------------------------------------------------------
 def test_a_generator_that_misses_weight_syncs_fails(tmp_path):
-    """The generator keeps its first weights: at staleness 0 its log-probs drift from the trainer's by about one
-    optimizer step's movement per step, above the threshold."""
-    fault = """
+    """The generator keeps its first weights: its log-probs drift from the trainer's and its weights differ."""
+    fault = _with_fault(
+        tmp_path,
+        """
         from a3po_trl.generation.hf.backend import HFGenerateBackend
         HFGenerateBackend.load_weights = lambda self, weights, version: None
-        """
-    completed, report = _run_with_fault(fault, "full-bf16", tmp_path)
+        """,
+    )
+    out = tmp_path / "r.json"
+    completed = _run(["--checks", "environment,recompute", "--report", str(out)], fault)
     assert completed.returncode == 1, completed.stdout[-4000:] + completed.stderr[-4000:]
     assert "GPU CHECK FAILED" in completed.stdout and "GPU CHECK PASSED" not in completed.stdout
-    assert report["passed"] is False and report["failures"]
-    assert all(f.startswith("a3po-s0/full-bf16: step ") and "log-prob mismatch" in f for f in report["failures"])
+    report = json.loads(out.read_text())
+    entries = _entries(report)
+    assert report["passed"] is False and entries["environment"]["passed"] is True
+    failures = entries["recompute"]["failures"]
+    assert entries["recompute"]["passed"] is False
+    assert any("generator's weights differ from the trainer's" in f for f in failures), failures
 
 
-def test_a_crash_fails_and_the_other_runs_still_run(tmp_path):
-    """A reward function that raises in AsyncA3POTrainer's generation thread: both AsyncA3POTrainer runs crash,
-    GRPOTrainer (rewards in the main thread) completes, and the script exits 1 naming the error."""
-    fault = """
-        import threading
-        def broken_reward(completions, **kwargs):
-            if threading.current_thread() is not threading.main_thread():
-                raise RuntimeError("reward server unreachable")
-            return [0.0] * len(completions)
-        gpu_check.even_digit_reward = broken_reward
-        """
-    completed, report = _run_with_fault(fault, "lora-bf16", tmp_path)
+def test_a_hang_costs_one_check_and_a_crash_is_recorded(tmp_path):
+    """One check hangs at start (killed at its timeout, with its whole process group); the next still runs; a
+    reward that raises in the generation thread crashes its run, recorded as the check's failure."""
+    pid_file = tmp_path / "hung.pid"
+    fault = _with_fault(
+        tmp_path,
+        f"""
+        import os, time
+        if "peaked" in sys.argv:
+            open({str(pid_file)!r}, "w").write(str(os.getpid()))
+            time.sleep(3600)
+        if "recompute" in sys.argv:
+            sys.path.insert(0, {os.path.join(ROOT, "scripts")!r})
+            import threading
+            from gpu_checks import model
+
+            def broken_reward(completions, **kwargs):
+                if threading.current_thread() is not threading.main_thread():
+                    raise RuntimeError("reward server unreachable")
+                return [0.0] * len(completions)
+
+            model.even_digit_reward = broken_reward
+        """,
+    )
+    out = tmp_path / "r.json"
+    completed = _run(["--checks", "peaked,recompute", "--timeout", "peaked=15", "--report", str(out)], fault)
     assert completed.returncode == 1, completed.stdout[-4000:] + completed.stderr[-4000:]
-    runs = {run["name"]: run for run in report["runs"]}
-    assert "reward server unreachable" in runs["a3po-s1/lora-bf16"]["error"]
-    assert "reward server unreachable" in runs["a3po-s0/lora-bf16"]["error"]
-    assert runs["grpo/lora-bf16"]["error"] is None and len(runs["grpo/lora-bf16"]["steps"]) == 3
-    assert "  - a3po-s1/lora-bf16: crashed: " in completed.stdout
-    assert "| grpo/lora-bf16 |" in completed.stdout  # the summary is printed after a crash
+    entries = _entries(json.loads(out.read_text()))
+    assert entries["peaked"]["passed"] is False and entries["peaked"]["error"].startswith("timed out after 15 s")
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)  # killed, not left behind
+    recompute = entries["recompute"]
+    assert recompute["passed"] is False and "reward server unreachable" in recompute["runs"][0]["error"]
+    assert any("crashed: RuntimeError: reward server unreachable" in f for f in recompute["failures"])
+    assert "  - a3po-s1/recompute: crashed: " in completed.stdout
 
 
-# ---- the checking function, fed bad numbers -------------------------------------------------------------------------
+# ---- the verdict, fed bad numbers -----------------------------------------------------------------------------------
 def good_run(trainer="AsyncA3POTrainer", max_staleness=1, steps=3):
     a3po = trainer == "AsyncA3POTrainer"
     records = []
     for step in range(1, steps + 1):
-        record = {"step": step, "seconds": 1.0, "peak_memory_gib": 2.0, "loss": 0.01, "grad_norm": 0.5}
+        record = {"step": step, "seconds": 1.0, "peak_memory_bytes": 2**31, "loss": 0.01, "grad_norm": 0.5}
         if a3po:
             staleness = 0 if step == 1 else max_staleness
             record.update(staleness_mean=float(staleness), staleness_max=float(staleness))
@@ -168,9 +266,8 @@ def good_run(trainer="AsyncA3POTrainer", max_staleness=1, steps=3):
                 record.update(drift_per_step=0.3)
         records.append(record)
     kind = f"a3po-s{max_staleness}" if a3po else "grpo"
-    return {
+    run = {
         "name": f"{kind}/full-bf16",
-        "pair": "full-bf16",
         "kind": kind,
         "trainer": trainer,
         "planned_steps": steps,
@@ -178,13 +275,17 @@ def good_run(trainer="AsyncA3POTrainer", max_staleness=1, steps=3):
         "steps": records,
         "error": None,
     }
+    if a3po:
+        run["weights_after_sync"] = {"identical": True, "max_abs_diff": 0.0, "version": steps}
+        run["time"] = {"step": 1.0}
+    return run
 
 
 def test_good_runs_have_no_failures():
-    gpu_check = load_gpu_check()
-    runs = [good_run(), good_run(max_staleness=0), good_run("GRPOTrainer")]
-    assert gpu_check.find_failures(runs) == []
-    assert gpu_check.blind_spots(runs) == []
+    verdict = load_verdict()
+    for run in (good_run(), good_run(max_staleness=0), good_run("GRPOTrainer")):
+        assert verdict.run_failures(run) == [] and verdict.blind_spots(run) == []
+    assert verdict.check_failures({"runs": [good_run()], "requirements": [["fine", True]]}) == []
 
 
 def _set(step, key, value):
@@ -193,7 +294,7 @@ def _set(step, key, value):
 
 FAULTS = {
     "crash": (lambda run: run.update(error="CUDA error: out of memory"), "crashed: CUDA error: out of memory"),
-    "no step": (lambda run: run.update(steps=[], error=None), "no optimizer step completed"),
+    "no step": (lambda run: run.update(steps=[]), "no optimizer step completed"),
     "too few steps": (lambda run: run["steps"].pop(), "completed 2 of 3 steps"),
     "nan loss": (lambda run: _set(run["steps"][1], "loss", float("nan")), "step 2 loss is nan"),
     "inf grad norm": (lambda run: _set(run["steps"][2], "grad_norm", float("inf")), "step 3 grad_norm is inf"),
@@ -206,49 +307,47 @@ FAULTS = {
     ),
     "too stale": (lambda run: _set(run["steps"][2], "staleness_max", 2.0), "step 3 staleness 2.0 > max_staleness 1"),
     "no staleness logged": (lambda run: run["steps"][1].pop("staleness_max"), "step 2 logged no staleness"),
+    "weights differ": (
+        lambda run: run["weights_after_sync"].update(identical=False, max_abs_diff=0.01),
+        "the generator's weights differ from the trainer's (max |diff| 0.01",
+    ),
+    "weights not compared": (lambda run: run.update(weights_after_sync=None), "weights were not compared"),
+    "no timeline": (lambda run: run.update(time=None), "the timeline recorded no step"),
 }
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_each_bad_number_fails(fault):
-    gpu_check = load_gpu_check()
+    verdict = load_verdict()
     run = good_run()
     breaks, message = FAULTS[fault]
     breaks(run)
-    failures = gpu_check.find_failures([good_run("GRPOTrainer"), run])
+    failures = verdict.check_failures({"runs": [good_run("GRPOTrainer"), run]})
     assert len(failures) == 1 and failures[0].startswith("a3po-s1/full-bf16: ") and message in failures[0], failures
 
 
-def test_the_mismatch_threshold_is_inclusive_and_configurable():
-    gpu_check = load_gpu_check()
+def test_a_check_fails_on_a_requirement_it_judged():
+    verdict = load_verdict()
+    result = {"runs": [good_run()], "requirements": [["resumed at step 2 and reached step 4", False]]}
+    assert verdict.check_failures(result) == ["resumed at step 2 and reached step 4"]
+
+
+def test_the_mismatch_threshold_is_inclusive_and_a_shown_mismatch_is_not_judged():
+    verdict = load_verdict()
     run = good_run()
-    run["steps"][0]["behavior_mismatch_mean"] = gpu_check.MAX_BEHAVIOR_MISMATCH
-    assert gpu_check.find_failures([run]) == []
-    assert len(gpu_check.find_failures([run], max_behavior_mismatch=0.01)) == 1
-
-
-def test_grpo_runs_need_no_a3po_metrics_but_their_own_checks():
-    gpu_check = load_gpu_check()
-    run = good_run("GRPOTrainer")
-    run["steps"][0]["loss"] = float("-inf")
-    assert gpu_check.find_failures([run]) == ["grpo/full-bf16: step 1 loss is -inf"]
+    run["steps"][0]["behavior_mismatch_mean"] = verdict.MAX_BEHAVIOR_MISMATCH
+    assert verdict.run_failures(run) == []
+    assert len(verdict.run_failures(run, max_behavior_mismatch=0.01)) == 1
+    run["steps"][0]["behavior_mismatch_mean"] = 0.5
+    run["judge_mismatch"] = False  # the peaked check's bf16 run: the mismatch is what it shows
+    assert verdict.run_failures(run) == []
 
 
 def test_a_step_too_small_to_show_a_missed_weight_sync_is_a_warning():
-    gpu_check = load_gpu_check()
+    verdict = load_verdict()
     run = good_run()
     for step in run["steps"][1:]:
         step["drift_per_step"] = 0.01
-    assert gpu_check.find_failures([run]) == []
-    warnings = gpu_check.blind_spots([run])
+    assert verdict.run_failures(run) == []
+    warnings = verdict.check_warnings({"runs": [run]})
     assert len(warnings) == 1 and warnings[0].startswith("a3po-s1/full-bf16: one optimizer step moved the policy")
-
-
-def test_ratios_use_the_steps_after_the_first():
-    gpu_check = load_gpu_check()
-    a3po, grpo = good_run(), good_run("GRPOTrainer")
-    for run, seconds in ((a3po, [9.0, 1.0, 2.0]), (grpo, [5.0, 3.0, 3.0])):
-        for step, value in zip(run["steps"], seconds):
-            step["seconds"] = value
-    assert gpu_check.seconds_per_step(a3po) == 1.5
-    assert gpu_check.speed_ratios([a3po, grpo]) == {"a3po-s1/full-bf16": 0.5}
