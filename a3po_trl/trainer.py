@@ -170,6 +170,25 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         self._steps_in_epoch = values[5]
         return values
 
+    def _init_training_state(
+        self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+    ):
+        epochs_trained, steps_trained = super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
+        if resume_from_checkpoint is not None and self.state.global_step >= max_steps:
+            # A finished run started again (a requeued job): transformers' loop would train one more step past
+            # max_steps (its stop check follows each step). Past the last epoch, the loop runs no epoch at all.
+            logger.warning(
+                "Resuming from %s, at optimizer step %d of max_steps=%d: the run is complete. Nothing is trained and "
+                "no checkpoint is written; raise max_steps (or num_train_epochs) to train further.",
+                resume_from_checkpoint,
+                self.state.global_step,
+                max_steps,
+            )
+            return num_train_epochs, 0
+        return epochs_trained, steps_trained
+
     def _generation_thread_left_behind(self) -> bool:
         """Whether the generation thread of an earlier ``train()`` call outlived its stop and is still running."""
         producer = self.last_batch_producer
