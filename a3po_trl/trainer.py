@@ -30,10 +30,11 @@ import torch
 from accelerate.utils import gather_object
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
-from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
+from trl.trainer.utils import split_tensor_dict
 
 from .builders import RunPlan, build_backend, build_batch_producer, plan_run, uses_fsdp2, weight_gather
 from .checkpoints import resolve_resume_checkpoint, save_checkpoint_atomically
+from .checkpoints.batch_order import load_batch_order, permute_rows, save_batch_order
 from .config import AsyncA3POConfig, trainer_config
 from .distributed import destroy_process_group_at_exit
 from .generation import BatchProducer, GenerationBackend
@@ -141,6 +142,8 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         self._schedule_warned = False
         self._weight_sync_seconds = 0.0
         self._resume_checkpoint = None
+        self._batch_order: dict | None = None
+        """The batch being trained and the order of its rows (see :mod:`a3po_trl.checkpoints.batch_order`)."""
         self._checkpoint_staging_dir: str | None = None
         self.timeline = TimelineRecorder(enabled=args.timeline)
         """The spans of both threads (see :mod:`a3po_trl.timeline`), kept across `train()` calls."""
@@ -232,8 +235,10 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
     def _save_checkpoint(self, model, trial):
         def write():
             super(AsyncA3POTrainer, self)._save_checkpoint(model, trial)
+            directory = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            if self._batch_order is not None:  # every process: the order of its rows of the batch it is in
+                save_batch_order(directory, self.accelerator.process_index, self._batch_order)
             if self.args.reproducible_generation and self._backend is not None and self.args.should_save:
-                directory = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
                 save_kept_versions(self._backend, directory, before=self.state.global_step)
 
         with self.timeline.span(TRAINING_LANE, "save checkpoint", step=self.state.global_step):
@@ -299,6 +304,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         # Micro-steps are counted from the start of this run: its first one takes a new batch (see _prepare_inputs).
         self._run_start_step = self._step
         self._buffered_inputs = None
+        self._batch_order = None
         self._schedule_warned = False
         try:
             alive = self._generation_thread_left_behind()
@@ -369,8 +375,35 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
                 planned = self._plan.batches[scored.index]
                 batch = make_training_batch(self, scored, waited, planned, self._weight_sync_seconds)
                 self._weight_sync_seconds = 0.0
-                batch = shuffle_sequence_dict(batch)
+                batch = self._order_rows(batch, planned)
                 span_args.update(self._step_timeline.batch)
             self._buffered_inputs = split_tensor_dict(batch, self.args.steps_per_generation)
         self._step_timeline.inputs_ready()
         return self._buffered_inputs[position % self.args.steps_per_generation]
+
+    def _order_rows(self, batch: dict, planned) -> dict:
+        """Shuffle the rows of a new generation batch as GRPOTrainer does; the first batch of a run resumed inside
+        it takes the order the checkpoint kept (see :mod:`a3po_trl.checkpoints.batch_order`)."""
+        rows = len(next(value for value in batch.values() if value is not None))
+        permutation = None
+        if planned.first_offset > 0:
+            process = self.accelerator.process_index
+            checkpoint = self._resume_checkpoint
+            permutation = load_batch_order(checkpoint, process, planned.epoch, planned.index_in_epoch, rows)
+            if permutation is None:
+                logger.warning(
+                    "Resuming inside generation batch %d of epoch %d, but %s holds no order for its rows (written "
+                    "by another trainer or an older version): the rest of the batch is drawn anew, so some of its "
+                    "rows may be trained twice and others not at all.",
+                    planned.index_in_epoch,
+                    planned.epoch,
+                    checkpoint,
+                )
+        if permutation is None:
+            permutation = torch.randperm(rows)  # GRPOTrainer's shuffle_sequence_dict draws this
+        self._batch_order = {
+            "epoch": planned.epoch,
+            "index_in_epoch": planned.index_in_epoch,
+            "permutation": permutation.tolist(),
+        }
+        return permute_rows(batch, permutation)
