@@ -142,6 +142,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         self._schedule_warned = False
         self._weight_sync_seconds = 0.0
         self._resume_checkpoint = None
+        self._resumed_a_complete_run = False
         self._batch_order: dict | None = None
         """The batch being trained and the order of its rows (see :mod:`a3po_trl.checkpoints.batch_order`)."""
         self._checkpoint_staging_dir: str | None = None
@@ -189,6 +190,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
                 self.state.global_step,
                 max_steps,
             )
+            self._resumed_a_complete_run = True
             return num_train_epochs, 0
         return epochs_trained, steps_trained
 
@@ -305,6 +307,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         self._run_start_step = self._step
         self._buffered_inputs = None
         self._batch_order = None
+        self._resumed_a_complete_run = False
         self._schedule_warned = False
         try:
             alive = self._generation_thread_left_behind()
@@ -343,7 +346,8 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             return self._stop_producer()
         finally:
             torch.set_num_threads(previous_threads)
-            self._write_trace()
+            if not self._resumed_a_complete_run:  # a finished run started again leaves its folder as it was
+                self._write_trace()
 
     # ---- batches -------------------------------------------------------------------------------------------------
     def _prepare_inputs(self, generation_batch):

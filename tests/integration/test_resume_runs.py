@@ -18,8 +18,13 @@ def _checkpoints(tmp_path):
     return sorted(name for name in os.listdir(tmp_path / "out") if name.startswith("checkpoint-"))
 
 
-def _checkpoint_times(tmp_path):
-    return {name: os.stat(tmp_path / "out" / name).st_mtime_ns for name in _checkpoints(tmp_path)}
+def _files(tmp_path):
+    """Every file under the run's output_dir, with its modification time."""
+    found = {}
+    for root, _, names in os.walk(tmp_path / "out"):
+        for name in names:
+            found[os.path.join(root, name)] = os.stat(os.path.join(root, name)).st_mtime_ns
+    return found
 
 
 @pytest.mark.parametrize(
@@ -37,15 +42,15 @@ def test_a_finished_run_started_again_trains_nothing_and_says_it_is_complete(tok
     first = make_trainer(tokenizer, tmp_path, **settings)
     first.train()
     assert first.state.global_step == end
-    before = _checkpoint_times(tmp_path)
-    assert f"checkpoint-{end}" in before
+    before = _files(tmp_path)
+    assert f"checkpoint-{end}" in _checkpoints(tmp_path)
 
     again = make_trainer(tokenizer, tmp_path, model=make_model(tokenizer, seed=5), **settings)
     with caplog.at_level(logging.INFO, logger="a3po_trl"):
         result = again.train(resume_from_checkpoint=True)
     assert result.global_step == end and again.state.global_step == end
     assert logged_after(again, "loss", 0) == logged_after(first, "loss", 0)  # the checkpoint's history, nothing new
-    assert _checkpoint_times(tmp_path) == before  # no checkpoint written or rewritten
+    assert _files(tmp_path) == before  # no checkpoint (nor trace) written or rewritten
     assert again.last_batch_producer is None  # the generator never started
     assert any("the run is complete" in record.getMessage() for record in caplog.records)
     trained = {n: p for n, p in first.model.named_parameters()}
