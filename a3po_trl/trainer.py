@@ -31,7 +31,7 @@ import torch
 from accelerate.utils import gather_object
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
-from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
+from trl.trainer.utils import split_tensor_dict
 
 from .builders import (
     RunPlan,
@@ -43,6 +43,7 @@ from .builders import (
     weight_gather,
 )
 from .checkpoints import resolve_resume_checkpoint, save_checkpoint_atomically
+from .checkpoints.batch_order import load_batch_order, permute_rows, save_batch_order
 from .config import AsyncA3POConfig, trainer_config
 from .distributed import destroy_process_group_at_exit
 from .generation import BatchProducer, GenerationBackend
@@ -152,6 +153,9 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         self._schedule_warned = False
         self._weight_sync_seconds = 0.0
         self._resume_checkpoint = None
+        self._resumed_a_complete_run = False
+        self._batch_order: dict | None = None
+        """The batch being trained and the order of its rows (see :mod:`a3po_trl.checkpoints.batch_order`)."""
         self._checkpoint_staging_dir: str | None = None
         self.timeline = TimelineRecorder(enabled=args.timeline)
         """The spans of both threads (see :mod:`a3po_trl.timeline`), kept across `train()` calls."""
@@ -180,6 +184,26 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         values = super().set_initial_training_values(args, dataloader)
         self._steps_in_epoch = values[5]
         return values
+
+    def _init_training_state(
+        self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+    ):
+        epochs_trained, steps_trained = super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
+        if resume_from_checkpoint is not None and self.state.global_step >= max_steps:
+            # A finished run started again (a requeued job): transformers' loop would train one more step past
+            # max_steps (its stop check follows each step). Past the last epoch, the loop runs no epoch at all.
+            logger.warning(
+                "Resuming from %s, at optimizer step %d of max_steps=%d: the run is complete. Nothing is trained and "
+                "no checkpoint is written; raise max_steps (or num_train_epochs) to train further.",
+                resume_from_checkpoint,
+                self.state.global_step,
+                max_steps,
+            )
+            self._resumed_a_complete_run = True
+            return num_train_epochs, 0
+        return epochs_trained, steps_trained
 
     def _generation_thread_left_behind(self) -> bool:
         """Whether the generation thread of an earlier ``train()`` call outlived its stop and is still running."""
@@ -225,6 +249,8 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         def write():
             super(AsyncA3POTrainer, self)._save_checkpoint(model, trial)
             directory = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            if self._batch_order is not None:  # every process: the order of its rows of the batch it is in
+                save_batch_order(directory, self.accelerator.process_index, self._batch_order)
             if self.args.reproducible_generation and self._backend is not None and self.args.should_save:
                 save_kept_versions(self._backend, directory, before=self.state.global_step)
             if self.args.dynamic_sampling and self._producer is not None:  # every process: where its prompts stand
@@ -301,6 +327,8 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         # Micro-steps are counted from the start of this run: its first one takes a new batch (see _prepare_inputs).
         self._run_start_step = self._step
         self._buffered_inputs = None
+        self._batch_order = None
+        self._resumed_a_complete_run = False
         self._schedule_warned = False
         try:
             alive = self._generation_thread_left_behind()
@@ -339,7 +367,8 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             return self._stop_producer()
         finally:
             torch.set_num_threads(previous_threads)
-            self._write_trace()
+            if not self._resumed_a_complete_run:  # a finished run started again leaves its folder as it was
+                self._write_trace()
 
     # ---- batches -------------------------------------------------------------------------------------------------
     def _prepare_inputs(self, generation_batch):
@@ -371,8 +400,35 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
                 planned = self._plan.batches[scored.index]
                 batch = make_training_batch(self, scored, waited, planned, self._weight_sync_seconds)
                 self._weight_sync_seconds = 0.0
-                batch = shuffle_sequence_dict(batch)
+                batch = self._order_rows(batch, planned)
                 span_args.update(self._step_timeline.batch)
             self._buffered_inputs = split_tensor_dict(batch, self.args.steps_per_generation)
         self._step_timeline.inputs_ready()
         return self._buffered_inputs[position % self.args.steps_per_generation]
+
+    def _order_rows(self, batch: dict, planned) -> dict:
+        """Shuffle the rows of a new generation batch as GRPOTrainer does; the first batch of a run resumed inside
+        it takes the order the checkpoint kept (see :mod:`a3po_trl.checkpoints.batch_order`)."""
+        rows = len(next(value for value in batch.values() if value is not None))
+        permutation = None
+        if planned.first_offset > 0:
+            process = self.accelerator.process_index
+            checkpoint = self._resume_checkpoint
+            permutation = load_batch_order(checkpoint, process, planned.epoch, planned.index_in_epoch, rows)
+            if permutation is None:
+                logger.warning(
+                    "Resuming inside generation batch %d of epoch %d, but %s holds no order for its rows (written "
+                    "by another trainer or an older version): the rest of the batch is drawn anew, so some of its "
+                    "rows may be trained twice and others not at all.",
+                    planned.index_in_epoch,
+                    planned.epoch,
+                    checkpoint,
+                )
+        if permutation is None:
+            permutation = torch.randperm(rows)  # GRPOTrainer's shuffle_sequence_dict draws this
+        self._batch_order = {
+            "epoch": planned.epoch,
+            "index_in_epoch": planned.index_in_epoch,
+            "permutation": permutation.tolist(),
+        }
+        return permute_rows(batch, permutation)
