@@ -25,7 +25,11 @@ BAD_CONTINUOUS_BATCHING_OPTIONS = [
     ({**CB, "transformers_continuous_batching_config": {"blocks": 4}}, "not a valid ContinuousBatchingConfig"),
     # a cache sized from the free memory could schedule (and sample) the same batch differently
     (
-        {**CB, "reproducible_generation": True, "transformers_continuous_batching_config": {"max_memory_percent": 0.5}},
+        {
+            **CB,
+            "reproducible_generation": True,
+            "transformers_continuous_batching_config": {"max_memory_percent": 0.5},
+        },
         "sized from the free memory.*Set 'num_blocks'",
     ),
 ]

@@ -1,4 +1,4 @@
-"""Transformers' continuous batching (paged attention) as a generation backend (``use_transformers_continuous_batching``).
+"""Transformers' continuous batching (paged attention) as a backend: ``use_transformers_continuous_batching``.
 
 :class:`ContinuousBatchingBackend` is the ``generate`` backend (:class:`~.backend.HFGenerateBackend`: the generator's
 own copy of the policy, its weight versions, its behavior log-prob settings) with another way to generate a batch:
@@ -215,9 +215,10 @@ class ContinuousBatchingBackend(HFGenerateBackend):
         generation_config.eos_token_id = list(self.settings.eos_token_ids)
         max_new_tokens = generation_config.max_new_tokens
         model = peft_base_model(self.module)  # the causal LM (under LoRA, with the adapter layers in it)
+        config = continuous_batching_config(self.continuous_batching, prompt_ids, max_new_tokens)
         manager = model.init_continuous_batching(
             generation_config=generation_config,
-            continuous_batching_config=continuous_batching_config(self.continuous_batching, prompt_ids, max_new_tokens),
+            continuous_batching_config=config,
             workload_hints=WorkloadHints(
                 max_prompt_length=max(len(p) for p in prompt_ids),
                 max_generated_length=max_new_tokens,
