@@ -158,7 +158,7 @@ def test_the_paged_cache_is_sized_for_the_batch_unless_the_config_sizes_it():
     prompts = [[1] * 300, [2] * 10]
     sized = continuous_batching.continuous_batching_config({}, prompts, max_new_tokens=20)
     assert sized.num_blocks == 2 + 1 + 1 and sized.max_batch_tokens == 310  # pages of 256 tokens
-    assert sized.return_logprobs and not sized.auto_switch_to_flash
+    assert sized.return_logprobs and not sized.auto_switch_to_flash and sized.use_cuda_graph is False
     user = continuous_batching.continuous_batching_config({"max_memory_percent": 0.3}, prompts, max_new_tokens=20)
     assert user.num_blocks is None and user.max_batch_tokens is None and user.max_memory_percent == 0.3
 

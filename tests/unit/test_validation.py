@@ -23,6 +23,8 @@ BAD_CONTINUOUS_BATCHING_OPTIONS = [
     ({**CB, "repetition_penalty": 1.2}, r"repetition_penalty=1.2 processes"),
     ({**CB, "generation_kwargs": {"min_p": 0.1}}, r"min_p=0.1 processes"),
     ({**CB, "transformers_continuous_batching_config": {"blocks": 4}}, "not a valid ContinuousBatchingConfig"),
+    # a captured CUDA graph would replay the sampler's random numbers
+    ({**CB, "transformers_continuous_batching_config": {"use_cuda_graph": True}}, r"'use_cuda_graph'\]=True"),
     # a cache sized from the free memory could schedule (and sample) the same batch differently
     (
         {

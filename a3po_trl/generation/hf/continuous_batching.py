@@ -120,6 +120,12 @@ def check_continuous_batching_config(kwargs: dict | None, reproducible: bool = F
             f"transformers_continuous_batching_config={kwargs!r} is not a valid ContinuousBatchingConfig: {error}. "
             "Pass only its fields (e.g. {'num_blocks': 64, 'max_batch_tokens': 1024})."
         ) from error
+    if kwargs.get("use_cuda_graph") not in (None, False, (False, False)):
+        raise ValueError(
+            f"transformers_continuous_batching_config['use_cuda_graph']={kwargs['use_cuda_graph']!r} is not "
+            "supported: the generator samples from its own random stream, which a captured CUDA graph would replay "
+            "with the same random numbers at every step. Leave 'use_cuda_graph' unset (off)."
+        )
     if reproducible and kwargs.get("max_memory_percent") is not None and kwargs.get("num_blocks") is None:
         raise ValueError(
             "reproducible_generation=True with transformers_continuous_batching_config['max_memory_percent'] and no "
@@ -134,10 +140,11 @@ def continuous_batching_config(kwargs: dict | None, prompt_ids: list[list[int]],
     cache (:data:`CACHE_SIZE_SETTINGS`), a cache that holds every request of the batch at full length and forwards
     of at most the batch's prompt tokens (capped at transformers' default 8192). ``auto_switch_to_flash`` is off
     unless set: generation keeps the model's attention implementation (the training forward's), and transformers
-    never fetches a flash-attention kernel from the Hub when a batch starts."""
+    never fetches a flash-attention kernel from the Hub when a batch starts. CUDA graphs are off: a captured graph
+    would replay the sampler's random numbers."""
     from transformers.generation import ContinuousBatchingConfig
 
-    kwargs = {"auto_switch_to_flash": False, **(kwargs or {}), "return_logprobs": True}
+    kwargs = {"auto_switch_to_flash": False, **(kwargs or {}), "return_logprobs": True, "use_cuda_graph": False}
     if all(kwargs.get(name) is None for name in CACHE_SIZE_SETTINGS):
         page_size = kwargs.get("page_size") or ContinuousBatchingConfig().page_size
         kwargs["num_blocks"] = sum(math.ceil((len(p) + max_new_tokens) / page_size) for p in prompt_ids) + 1
