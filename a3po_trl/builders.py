@@ -24,6 +24,7 @@ from .devices import explicit_device
 from .distributed import private_store
 from .generation.backend import GenerationBackend
 from .generation.hf import HFGenerateBackend, HFGenerationSettings
+from .generation.hf.continuous_batching import ContinuousBatchingBackend, check_continuous_batching_sampling
 from .generation.hf.sampling import processed_sampling, records_logps, samples_with_own_stream, sampling_deviations
 from .generation.producer import BatchProducer
 from .generation.schedule import (
@@ -95,7 +96,8 @@ def weight_gather(trainer) -> ParameterGather | None:
 
 # ---- the generation backend ------------------------------------------------------------------------------------
 def build_backend(trainer) -> GenerationBackend:
-    """The generation backend: Hugging Face ``generate`` on the generator's own copy, or vLLM (``use_vllm``).
+    """The generation backend: Hugging Face ``generate`` on the generator's own copy (with transformers' continuous
+    batching: ``use_transformers_continuous_batching``), or vLLM (``use_vllm``).
 
     Its memory is planned first (:mod:`a3po_trl.generation.weights.memory_plan`: where colocated vLLM stages its
     versions, on the GPU or in pinned host memory, is chosen there), logged, and on CUDA refused before anything is
@@ -159,6 +161,8 @@ def generator_setup(trainer) -> GeneratorSetup:
 
 
 def _build_hf_backend(trainer, dtype: torch.dtype | None) -> HFGenerateBackend:
+    """The ``generate`` backend on the generator's own copy; with ``use_transformers_continuous_batching``, the same
+    copy generating with transformers' continuous batching (:class:`ContinuousBatchingBackend`)."""
     temperature = trainer.temperature
     cast_fp32 = trainer.args.cast_lm_head_to_fp32
 
@@ -172,14 +176,18 @@ def _build_hf_backend(trainer, dtype: torch.dtype | None) -> HFGenerateBackend:
         align_position_ids_with_generation(module)
 
     device = trainer.args.generation_device or trainer.accelerator.device
-    return HFGenerateBackend(
-        trainer._unwrapped_model(),
-        hf_generation_settings(trainer),
-        device=device,
-        patch_fn=patch,
-        gather=weight_gather(trainer),
-        dtype=dtype,
-    )
+    common = dict(device=device, patch_fn=patch, gather=weight_gather(trainer), dtype=dtype)
+    if trainer.args.use_transformers_continuous_batching:
+        check_continuous_batching_sampling(trainer._generation_config_checked)  # before the settings' own checks
+    settings = hf_generation_settings(trainer)
+    if trainer.args.use_transformers_continuous_batching:
+        return ContinuousBatchingBackend(
+            trainer._unwrapped_model(),
+            settings,
+            continuous_batching=trainer.args.transformers_continuous_batching_config,
+            **common,
+        )
+    return HFGenerateBackend(trainer._unwrapped_model(), settings, **common)
 
 
 def hf_generation_settings(trainer) -> HFGenerationSettings:

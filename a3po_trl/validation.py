@@ -11,6 +11,11 @@ from datasets import IterableDataset
 from torch import nn
 from trl import GRPOConfig
 
+from .generation.hf.continuous_batching import (
+    check_continuous_batching_available,
+    check_continuous_batching_config,
+    check_continuous_batching_sampling,
+)
 from .generation.hf.sampling import processed_sampling, samples_with_own_stream, sampling_deviations
 from .patches import peft_base_model
 
@@ -106,21 +111,37 @@ def check_vllm_settings(args) -> None:
         )
 
 
-_UNSUPPORTED_ARGS = {
-    "use_transformers_continuous_batching": (
-        True,
-        "the generation thread calls generate on its own copy of the weights; set "
-        "use_transformers_continuous_batching=False",
-    ),
-}
+def check_continuous_batching_settings(args) -> None:
+    """Refuse, before any model is loaded, what ``use_transformers_continuous_batching=True`` cannot honour: together
+    with vLLM, sampling settings that process the distribution, an invalid ``transformers_continuous_batching_config``
+    (see :mod:`a3po_trl.generation.hf.continuous_batching`)."""
+    if not args.use_transformers_continuous_batching:
+        return
+    if args.use_vllm:
+        raise ValueError(
+            "use_transformers_continuous_batching=True and use_vllm=True both choose how completions are generated. "
+            "Set one of them (GRPOTrainer would silently use vLLM)."
+        )
+    check_continuous_batching_available()
+    settings = {name: getattr(args, name) for name in ("top_p", "top_k", "min_p", "repetition_penalty")}
+    kwargs = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
+    settings.update({name: value for name, value in kwargs.items() if name in _NEUTRAL_SAMPLING})
+    processed = [f"{name}={value!r}" for name, value in settings.items() if value not in _NEUTRAL_SAMPLING[name]]
+    if processed:
+        raise ValueError(
+            f"use_transformers_continuous_batching=True samples from softmax(logits / temperature) only, but "
+            f"{', '.join(processed)} processes that distribution (continuous batching drops the processors it does "
+            "not support, and its log-probs are those of the processed distribution). Leave them at their neutral "
+            "values (top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0), or set "
+            "use_transformers_continuous_batching=False: the generate backend records both log-probs."
+        )
+    check_continuous_batching_config(args.transformers_continuous_batching_config, args.reproducible_generation)
 
 
 def check_supported(args: GRPOConfig, kwargs: dict) -> None:
     """Reject, before any model is loaded, the GRPOTrainer options this trainer cannot honour."""
-    for name, (bad_value, fix) in _UNSUPPORTED_ARGS.items():
-        if getattr(args, name, None) == bad_value:
-            raise NotImplementedError(f"{name}={bad_value!r} is not supported by AsyncA3POTrainer: {fix}.")
     check_vllm_settings(args)
+    check_continuous_batching_settings(args)
     if args.use_vllm and getattr(args, "behavior_logps_source", "generation") == "forward":
         raise ValueError(
             "behavior_logps_source='forward' needs the generator's own Hugging Face model; with use_vllm=True the "
@@ -242,6 +263,8 @@ def effective_generation_config(trainer):
             f"temperature={trainer.temperature}: behavior and training log-probs would score different "
             f"distributions. Set temperature={config.temperature} in the config instead of in {source}."
         )
+    if getattr(trainer.args, "use_transformers_continuous_batching", False):
+        check_continuous_batching_sampling(config)  # the model's own generation_config may set top-k/p
     # The generate backend records the log-probs of a processed sampling distribution (top-k/p, penalties, ...)
     # under plain sampling; vLLM refuses such settings before any model loads (validation.check_vllm_sampling).
     recorded = [] if trainer._use_vllm_backend or not samples_with_own_stream(config) else processed_sampling(config)

@@ -1,4 +1,5 @@
-"""Generation backends side by side: Hugging Face ``generate`` against vLLM (in-process and server), same shape.
+"""Generation backends side by side: Hugging Face ``generate``, transformers' continuous batching
+(``use_transformers_continuous_batching``) and vLLM (in-process and server), same shape.
 
 For each backend, a short ``AsyncA3POTrainer`` run (A-3PO ``loglinear``, ``max_staleness=1``) in its own process, on
 the demo's task and model, reporting: generation tokens/s, seconds per step, seconds per generation batch and per
@@ -6,6 +7,10 @@ training step, the pipelining ideal ``max(generation, training)`` and the measur
 behavior/trainer log-prob mismatch of the backend. Runs in the vLLM environment (``bash scripts/setup_vllm.sh``):
 
     .venv-vllm/bin/python -m benchmarks.backends --backends generate,vllm-colocate,vllm-server --lora
+
+``--backends generate,continuous-batching --repeats 2`` runs the two in-process Hugging Face backends in the project
+environment, interleaved (generate, continuous batching, generate, ...), each row with the machine's load average
+before it (a shared machine's load moves the numbers more than a backend does).
 
 ``--device cuda`` runs the same on a GPU (colocate on the training GPU; the server on ``--server-device``).
 ``--processes N`` runs each backend under ``accelerate launch`` with N training processes (DDP; on CPU, N gloo
@@ -33,7 +38,7 @@ from benchmarks.common import internals
 from benchmarks.common.demo import demo_trainer
 from benchmarks.common.runner import child_environment
 
-BACKENDS = ("generate", "vllm-colocate", "vllm-server")
+BACKENDS = ("generate", "continuous-batching", "vllm-colocate", "vllm-server")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,9 +67,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--server-device", default="1", help="CUDA_VISIBLE_DEVICES of the server with --device cuda")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--processes", type=int, default=1, help="training processes (accelerate launch, DDP)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each backend, interleaved")
     parser.add_argument("--out", default=None, help="JSON file for the results (a .md table is written beside it)")
     parser.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--server-url", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--load-before", type=float, default=None, help=argparse.SUPPRESS)
     return parser
 
 
@@ -137,7 +144,10 @@ def _run_one(options) -> dict:
 
     backend = options.run_one
     train, _ = make_math_splits(256, 16, "easy", options.seed)
-    vllm = {"use_vllm": backend != "generate"}
+    vllm = {
+        "use_vllm": backend.startswith("vllm"),
+        "use_transformers_continuous_batching": backend == "continuous-batching",
+    }
     if backend == "vllm-colocate":
         vllm.update(vllm_mode="colocate", vllm_max_model_length=options.max_model_len, vllm_gpu_memory_utilization=0.3)
     elif backend == "vllm-server":
@@ -184,6 +194,7 @@ def _run_one(options) -> dict:
         "shared_server_wait_seconds_per_step": shared["wait_seconds"] / options.steps if shared is not None else None,
         "shared_server_switches": shared["switches"] if shared is not None else None,
         "backend": backend,
+        "load_before": getattr(options, "load_before", None),
         "seconds_per_step": step,
         "generation_seconds_per_batch": generation,
         "training_seconds_per_step": training,
@@ -210,8 +221,8 @@ def _table(results: list[dict], meta: dict) -> str:
         f"{meta.get('staleness', 1)}, load before: {meta['load']}.",
         "",
         "| backend | tokens/s | s/step | generation s/batch | training s/step | ideal | ratio | version load s "
-        "| mismatch max | mismatch mean | staleness mean | shared-server wait s/step |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| mismatch max | mismatch mean | staleness mean | shared-server wait s/step | load before |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         mismatch = f"{r['behavior_mismatch_max']:.1e}" if r["behavior_mismatch_max"] is not None else "-"
@@ -221,7 +232,8 @@ def _table(results: list[dict], meta: dict) -> str:
             f"| {r['backend']} | {r['generation_tokens_per_second']:.1f} | {r['seconds_per_step']:.2f} | "
             f"{r['generation_seconds_per_batch']:.2f} | {r['training_seconds_per_step']:.2f} | "
             f"{r['pipelining_ideal']:.2f} | {r['ratio_to_ideal']:.2f} | {load} | {mismatch} | {mean} | "
-            f"{_number(r.get('staleness_mean'))} | {_number(r.get('shared_server_wait_seconds_per_step'))} |"
+            f"{_number(r.get('staleness_mean'))} | {_number(r.get('shared_server_wait_seconds_per_step'))} | "
+            f"{_number(r.get('load_before'))} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -243,8 +255,10 @@ def main() -> None:
     meta.update(threads=options.threads, device=options.device, load=os.getloadavg()[0])
     if _precision(options) != "fp32" or options.staleness != 1:  # older result files have neither
         meta.update(precision=_precision(options), staleness=options.staleness)
+    if options.repeats > 1:
+        meta["repeats"] = options.repeats
     results = []
-    for backend in options.backends.split(","):
+    for backend in options.backends.split(",") * options.repeats:
         if backend not in BACKENDS:
             raise SystemExit(f"--backends: unknown backend {backend!r}; choose from {BACKENDS}")
         server, extra = None, []
@@ -256,12 +270,14 @@ def main() -> None:
         if options.device == "cuda" and backend == "vllm-server":
             env["CUDA_VISIBLE_DEVICES"] = "0"
         print(f"[backends] {backend} ...", flush=True)
+        load = os.getloadavg()[0]
         launcher = [sys.executable]
         if options.processes > 1:  # each process runs `python -m benchmarks.backends`
             launcher += ["-m", "accelerate.commands.launch", "--config_file", _launch_config(options)]
         try:
             out = subprocess.run(
-                [*launcher, "-m", "benchmarks.backends", *sys.argv[1:], "--run-one", backend, *extra],
+                [*launcher, "-m", "benchmarks.backends", *sys.argv[1:], "--run-one", backend, *extra,
+                 "--load-before", str(load)],
                 env=env, capture_output=True, text=True, check=False,
             )  # fmt: skip
         finally:
@@ -273,7 +289,8 @@ def main() -> None:
             raise SystemExit(f"{backend} failed ({out.returncode}):\n{out.stderr[-4000:]}")
         results.append(json.loads(lines[-1].removeprefix("A3PO_RESULT ")))
         print(f"[backends] {backend}: {json.dumps(results[-1])}", flush=True)
-    if options.out and Path(options.out).exists():  # keep the other backends' rows of an earlier run of this shape
+    # keep the other backends' rows of an earlier run of this shape
+    if options.out and Path(options.out).exists() and options.repeats == 1:
         earlier = json.loads(Path(options.out).read_text())
         if {k: v for k, v in earlier["meta"].items() if k != "load"} == {k: v for k, v in meta.items() if k != "load"}:
             done = {r["backend"] for r in results}

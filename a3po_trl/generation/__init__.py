@@ -6,7 +6,9 @@
 - :mod:`.backend`: :class:`GenerationBackend`, the one interface a backend implements;
 - :mod:`.weights`: the weight path from the trainer to the generator (gathering sharded weights, the generator's
   dtype, the versioned staging store, the generator's own copies, the memory plan, kept versions in a checkpoint).
-- :mod:`.hf`: :class:`HFGenerateBackend`, Hugging Face ``generate`` on the generator's own copy (default).
+- :mod:`.hf`: :class:`HFGenerateBackend`, Hugging Face ``generate`` on the generator's own copy (default); its
+  subclass :class:`~.hf.continuous_batching.ContinuousBatchingBackend`, the same copy generating with transformers'
+  continuous batching (``use_transformers_continuous_batching``).
 - :mod:`.vllm`: vLLM in-process (colocate), or a ``trl vllm-serve`` server (``use_vllm=True``); imported on demand, so
   vLLM is needed only when used.
 """

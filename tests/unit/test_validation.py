@@ -15,8 +15,25 @@ def _config(tmp_path, **overrides):
     return AsyncA3POConfig(output_dir=str(tmp_path), **{**COMMON, **overrides})
 
 
-BAD_OPTIONS = [
-    ({"use_transformers_continuous_batching": True}, "use_transformers_continuous_batching=False"),
+CB = {"use_transformers_continuous_batching": True}
+BAD_CONTINUOUS_BATCHING_OPTIONS = [
+    ({**CB, "use_vllm": True}, "both choose how completions are generated"),
+    # continuous batching drops unsupported processors and reports the processed distribution's log-probs only
+    ({**CB, "top_p": 0.9}, r"top_p=0.9 processes that distribution.*use_transformers_continuous_batching=False"),
+    ({**CB, "repetition_penalty": 1.2}, r"repetition_penalty=1.2 processes"),
+    ({**CB, "generation_kwargs": {"min_p": 0.1}}, r"min_p=0.1 processes"),
+    ({**CB, "transformers_continuous_batching_config": {"blocks": 4}}, "not a valid ContinuousBatchingConfig"),
+    # a captured CUDA graph would replay the sampler's random numbers
+    ({**CB, "transformers_continuous_batching_config": {"use_cuda_graph": True}}, r"'use_cuda_graph'\]=True"),
+    # a cache sized from the free memory could schedule (and sample) the same batch differently
+    (
+        {
+            **CB,
+            "reproducible_generation": True,
+            "transformers_continuous_batching_config": {"max_memory_percent": 0.5},
+        },
+        "sized from the free memory.*Set 'num_blocks'",
+    ),
 ]
 
 VLLM = {"use_vllm": True}
@@ -46,10 +63,24 @@ def test_vllm_settings_that_cannot_be_honoured_name_the_field(tmp_path, override
         check_supported(_config(tmp_path, **overrides), {})
 
 
-@pytest.mark.parametrize("overrides, message", BAD_OPTIONS)
-def test_unsupported_options_are_rejected(tmp_path, overrides, message):
-    with pytest.raises(NotImplementedError, match=message):
+@pytest.mark.parametrize("overrides, message", BAD_CONTINUOUS_BATCHING_OPTIONS)
+def test_continuous_batching_settings_that_cannot_be_honoured_name_the_field(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
         check_supported(_config(tmp_path, **overrides), {})
+
+
+def test_continuous_batching_with_neutral_sampling_and_a_sized_cache_is_accepted(tmp_path):
+    check_supported(
+        _config(
+            tmp_path,
+            **CB,
+            top_p=1.0,
+            generation_kwargs={"top_k": 0},
+            reproducible_generation=True,
+            transformers_continuous_batching_config={"num_blocks": 8, "max_memory_percent": 0.2},
+        ),
+        {},
+    )
 
 
 def test_rollout_func_with_tools_is_rejected(tmp_path):
