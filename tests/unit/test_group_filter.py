@@ -59,11 +59,11 @@ def test_a_user_filter_sees_each_groups_rewards_per_function():
 def test_the_filter_setting_resolves_a_dotted_path_and_refuses_what_does_not_import():
     assert resolve_group_filter(None) is None
     assert resolve_group_filter(keep_if_any_positive) is keep_if_any_positive
-    assert resolve_group_filter("test_dynamic_sampling.keep_if_any_positive").__name__ == "keep_if_any_positive"
+    assert resolve_group_filter("test_group_filter.keep_if_any_positive").__name__ == "keep_if_any_positive"
     with pytest.raises(ValueError, match="dynamic_sampling_filter='no_such_module.f': importing no_such_module"):
         resolve_group_filter("no_such_module.f")
     with pytest.raises(ValueError, match="has no function 'nothing'"):
-        resolve_group_filter("test_dynamic_sampling.nothing")
+        resolve_group_filter("test_group_filter.nothing")
     with pytest.raises(ValueError, match="dotted import path"):
         resolve_group_filter("flat")
 
