@@ -3,85 +3,18 @@ version the trainer publishes while a batch is generated is taken at the next de
 version into the loss (its staleness, its A-3PO interpolation weight), the staleness bound holds per token, the
 metrics say how many versions the completions span, and it works with LoRA and across a checkpoint and resume.
 
-The switch points are made a function of the schedule, not of timing (:class:`Lockstep`): the trainer takes batch
-``j`` only once the generator has reached the third decode step of batch ``j + lag``, where the generator, in a batch
-``b >= lag``, waits until the trainer has published the version after the one it started with. So batch ``b`` samples
-its first 3 tokens with version ``b - lag`` and the rest with ``b - lag + 1``, in every run.
+The switch points are made a function of the schedule, not of timing (``helpers.Lockstep``): batch ``b >= lag``
+samples its first 3 tokens with version ``b - lag`` and the rest with ``b - lag + 1``, in every run.
 """
-
-import threading
-import time
 
 import pytest
 import torch
-from helpers import COMMON, logged, make_trainer
+from helpers import COMMON, SWITCH_AFTER, Lockstep, logged, make_trainer
 from tiny import length_reward, make_model, make_prompts
 
 import a3po_trl.losses
 import a3po_trl.trainer
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
-from a3po_trl.patches import peft_base_model
-
-SWITCH_AFTER = 3  # tokens sampled before the generator waits for, and then loads, the next version
-TIMEOUT = 120.0
-
-
-class Lockstep:
-    """Deterministic switch points for ``trainer`` (see the module doc), and what each batch carried."""
-
-    def __init__(self, trainer, monkeypatch, lag: int, num_batches: int):
-        self.lag = lag
-        self.started = [threading.Event() for _ in range(num_batches)]
-        self.start_versions: dict[int, int] = {}
-        self.token_versions: dict[int, torch.Tensor] = {}
-        self.scored_versions: dict[int, int] = {}
-        self.masks: dict[int, torch.Tensor] = {}
-        self._batch, self._forwards, self.backend = -1, 0, None
-        build = trainer._build_backend
-
-        def build_with_hook():
-            self.backend = build()
-            peft_base_model(self.backend.module).register_forward_pre_hook(self._generator_forward, with_kwargs=True)
-            return self.backend
-
-        trainer._build_backend = build_with_hook
-        make_training_batch = a3po_trl.trainer.make_training_batch
-
-        def gated(trainer, scored, *args):
-            self.token_versions[scored.index] = scored.tensors["token_versions"].clone()
-            self.masks[scored.index] = scored.tensors["completion_mask"].bool().clone()
-            self.scored_versions[scored.index] = scored.version
-            following = scored.index + self.lag
-            if following < len(self.started) and not self.started[following].wait(TIMEOUT):
-                raise RuntimeError(f"the generator did not start batch {following}")
-            return make_training_batch(trainer, scored, *args)
-
-        monkeypatch.setattr(a3po_trl.trainer, "make_training_batch", gated)
-
-    def _generator_forward(self, module, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids.size(1) > 1:  # a prefill: the next batch starts
-            self._batch += 1
-            self._forwards = 0
-            self.start_versions[self._batch] = self.backend.version
-        self._forwards += 1
-        if self._forwards == SWITCH_AFTER:  # the trainer may go on (and publish) only once this batch is here
-            self.started[self._batch].set()
-        if self._forwards == SWITCH_AFTER and self._batch >= self.lag:
-            target = self.start_versions[self._batch] + 1
-            deadline = time.monotonic() + TIMEOUT
-            while self.backend.published_version < target:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"version {target} was never published")
-                time.sleep(0.005)
-
-    def expected_versions(self, index: int) -> torch.Tensor:
-        """The version of each token of batch ``index`` (as padded: -1 past each completion's end)."""
-        mask = self.masks[index]
-        start = self.start_versions[index]
-        step = torch.arange(mask.size(1)).expand_as(mask)
-        switched = start + (step >= SWITCH_AFTER).long() if index >= self.lag else torch.full_like(step, start)
-        return torch.where(mask, switched, torch.full_like(step, -1))
 
 
 class LossRecorder:
@@ -124,7 +57,7 @@ def _lora_trainer(tokenizer, tmp_path, **overrides):
 def test_tokens_span_two_versions_and_each_is_staled_by_its_own(tokenizer, tmp_path, monkeypatch, lora):
     settings = dict(max_steps=4, max_staleness=2, in_flight_weight_updates=True, bf16=False)
     trainer = (_lora_trainer if lora else make_trainer)(tokenizer, tmp_path, **settings)
-    lockstep = Lockstep(trainer, monkeypatch, lag=2, num_batches=4)
+    lockstep = Lockstep(trainer, monkeypatch.setattr, lag=2, num_batches=4)
     loss = LossRecorder(monkeypatch)
     trainer.train()
     if lora:  # only the adapter is published, and loaded between decode steps
@@ -168,13 +101,13 @@ def test_in_flight_updates_continue_across_a_checkpoint_and_resume(tokenizer, tm
     settings = dict(max_staleness=1, in_flight_weight_updates=True, save_strategy="steps", save_steps=2, bf16=False)
     model = make_model(tokenizer)
     first = make_trainer(tokenizer, tmp_path, model=model, max_steps=2, **settings)
-    lockstep = Lockstep(first, monkeypatch, lag=1, num_batches=2)
+    lockstep = Lockstep(first, monkeypatch.setattr, lag=1, num_batches=2)
     first.train()
     assert torch.equal(lockstep.token_versions[1], lockstep.expected_versions(1))
     assert lockstep.start_versions == {0: 0, 1: 0}
 
     resumed = make_trainer(tokenizer, tmp_path, max_steps=4, **settings)
-    lockstep = Lockstep(resumed, monkeypatch, lag=1, num_batches=2)
+    lockstep = Lockstep(resumed, monkeypatch.setattr, lag=1, num_batches=2)
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 4
     # the resumed run numbers versions from the checkpoint's step: its second batch switches from 2 to 3

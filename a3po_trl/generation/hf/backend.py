@@ -237,7 +237,9 @@ class HFGenerateBackend(GenerationBackend):
                 else None
             )
             loads = InFlightLoads(self) if in_flight else None
-            criteria = [c for c in (_CallableStop(should_stop) if should_stop else None, loads) if c is not None]
+            criteria = [_CallableStop(should_stop)] if should_stop is not None else []
+            if loads is not None:
+                criteria.append(loads)  # after the stop check: it tags the step, then may load a version
             stopping = StoppingCriteriaList(criteria) if criteria else None
             extra = {}
             if self._sampling_generator is not None:
