@@ -288,9 +288,18 @@ class Lockstep:
         build = trainer._build_backend
 
         def build_with_hook():
-            self.backend = build()
-            peft_base_model(self.backend.module).register_forward_pre_hook(self._generator_forward, with_kwargs=True)
-            return self.backend
+            backend = self.backend = build()
+            peft_base_model(backend.module).register_forward_pre_hook(self._generator_forward, with_kwargs=True)
+            generate = backend.generate
+
+            def generate_batch(*args, **kwargs):  # one call per batch (single-turn, no chunks): the next batch
+                self._batch += 1
+                self._forwards = 0
+                self.start_versions[self._batch] = backend.version
+                return generate(*args, **kwargs)
+
+            backend.generate = generate_batch
+            return backend
 
         trainer._build_backend = build_with_hook
         make_training_batch = a3po_trl.trainer.make_training_batch
@@ -307,11 +316,6 @@ class Lockstep:
         setattr_fn(a3po_trl.trainer, "make_training_batch", gated)
 
     def _generator_forward(self, module, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids.size(1) > 1:  # a prefill: the next batch starts
-            self._batch += 1
-            self._forwards = 0
-            self.start_versions[self._batch] = self.backend.version
         self._forwards += 1
         if self._forwards == SWITCH_AFTER:  # the trainer may go on (and publish) only once this batch is here
             self.started[self._batch].set()
