@@ -201,6 +201,14 @@ def hf_generation_settings(trainer) -> HFGenerationSettings:
             ", ".join(sampling_deviations(effective)),
         )
     behavior_logps_source = trainer.args.behavior_logps_source
+    in_flight = trainer.args.in_flight_weight_updates
+    if in_flight and not records_logps(effective):
+        raise ValueError(
+            "in_flight_weight_updates=True needs a generation config that runs one forward per generated token "
+            "(no beams, assisted decoding or chunked prefill): each token's version and behavior log-prob are "
+            "recorded from the forward that sampled it. Use plain sampling (num_beams=1), or set "
+            "in_flight_weight_updates=False."
+        )
     if behavior_logps_source == "generation" and not records_logps(effective):
         behavior_logps_source = "forward"  # beams or assisted decoding: no one-forward-per-token to record from
     processed = processed_sampling(effective) if own_stream else []
@@ -223,6 +231,7 @@ def hf_generation_settings(trainer) -> HFGenerationSettings:
         temperature=trainer.temperature,
         own_random_stream=own_stream,
         record_sampling_logps=bool(processed),
+        in_flight_updates=in_flight,
     )
 
 

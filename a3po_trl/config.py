@@ -101,6 +101,16 @@ class AsyncA3POConfig(GRPOConfig):
             `max_staleness + 1` copies of the trainable weights (the adapter under LoRA; the whole model under full
             fine-tuning, e.g. 3 x 513 MiB for SmolLM2-135M in fp32 at `max_staleness=2`), and samples are staler
             on average.
+        in_flight_weight_updates (`bool`, *optional*, defaults to `False`):
+            Load a version the trainer publishes while a batch is being generated at the next decode step, and
+            continue the batch's completions with it (as PipelineRL and prime-rl do), instead of finishing the batch
+            with the weights it started with. Every completion token records the version that sampled it, and its
+            behavior log-prob is the one those weights gave it; the KV cache of the earlier tokens stays as the
+            earlier weights computed it (see docs/ARCHITECTURE.md), and the loss stales each token by its own version.
+            `max_staleness` still bounds every token (a sample's oldest token is its first). Supported with the
+            `generate` backend (`use_vllm=False`), `behavior_logps_source="generation"` and
+            `async_generation=True`; refused with `reproducible_generation=True` (the switch points depend on timing)
+            and with a `rollout_func`.
         generation_device (`str` or `None`, *optional*, defaults to `None`):
             Device of the generator's copy of the weights, e.g. `"cuda:1"`. `None` uses the training device. On
             another device, frozen weights cannot be shared and are copied too.
@@ -251,6 +261,13 @@ class AsyncA3POConfig(GRPOConfig):
         metadata={
             "help": "Generate each batch with exactly the version the staleness schedule assigns it (reproducible "
             "runs with the thread on; keeps up to max_staleness + 1 versions of the trainable weights)."
+        },
+    )
+    in_flight_weight_updates: bool = field(
+        default=False,
+        metadata={
+            "help": "Load a version published while a batch is being generated at the next decode step and continue "
+            "the batch with it; every token records the version that sampled it (generate backend only)."
         },
     )
     generation_device: str | None = field(

@@ -29,7 +29,7 @@ from trl.trainer.utils import use_adapter
 from .builders import deferred_reward_columns
 from .functional import group_advantages
 from .generation.schedule import PlannedBatch
-from .metrics.batch import batch_metrics, dynamic_sampling_metrics, tool_metrics
+from .metrics.batch import batch_metrics, dynamic_sampling_metrics, tool_metrics, version_metrics
 from .rollout.scoring import score_with_reward_model, warn_about_unscorable_rows
 from .timeline import TRAINING_LANE
 from .types import ScoredBatch
@@ -51,9 +51,8 @@ def make_training_batch(
     data["advantages"], advantages, is_std_zero = advantages_over_processes(trainer, rewards_per_func, local_rows)
     loss_mask = data["completion_mask"] * data["tool_mask"] if "tool_mask" in data else data["completion_mask"]
     data["num_items_in_batch"] = count_loss_tokens(trainer, loss_mask)
-    agent_values = tool_metrics(
-        trainer.accelerator, scored.tool_stats, data["token_versions"], loss_mask, completion_lengths
-    )
+    agent_values = tool_metrics(trainer.accelerator, scored.tool_stats, completion_lengths)
+    agent_values.update(version_metrics(trainer.accelerator, data["token_versions"]))
     if scored.environments is not None:
         trainer.environments = scored.environments  # GRPOTrainer's attribute: the latest batch's environments
 

@@ -27,7 +27,11 @@ class GeneratedCompletions:
     processed the policy's distribution first (top-k/p, min-p, penalties: truncated and renormalised); ``None`` when
     it sampled ``softmax(logits / temperature)`` itself, i.e. the same values as :attr:`logps`."""
     timings: dict[str, float] = field(default_factory=dict)
-    """Seconds spent on parts of the call worth reporting apart (e.g. ``behavior_logps`` for a separate forward)."""
+    """Seconds spent on parts of the call worth reporting apart (e.g. ``behavior_logps`` for a separate forward,
+    ``in_flight_weight_load`` for versions loaded between decode steps), and ``in_flight_weight_loads`` (a count)."""
+    token_versions: list[list[int]] | None = None
+    """Per prompt, the weight version that sampled each token, when the backend loaded newer weights between decode
+    steps (``in_flight_weight_updates``); ``None``: every token comes from the version loaded when the call began."""
 
 
 @dataclass
@@ -50,8 +54,9 @@ class ScoredBatch:
     index: int
     """Position of the batch in this run's sequence of generation batches (0-based)."""
     version: int
-    """Policy version (optimizer steps applied) of the weights the batch started generating with. Every token of a
-    single-turn batch comes from it; later turns of a multi-turn batch may come from newer versions, and
+    """Policy version (optimizer steps applied) of the weights the batch started generating with, the oldest of its
+    tokens. Every token of a single-turn batch comes from it unless the generator loads newer weights between decode
+    steps (``in_flight_weight_updates``); later turns of a multi-turn batch may come from newer versions too.
     ``tensors["token_versions"]`` records the version of each token."""
     tensors: dict[str, torch.Tensor]
     """The padded ``(B, T)`` tensors the loss trains on, by their names in the training batch: ``prompt_ids``,

@@ -138,10 +138,56 @@ def check_continuous_batching_settings(args) -> None:
     check_continuous_batching_config(args.transformers_continuous_batching_config, args.reproducible_generation)
 
 
+def check_in_flight_updates(args, kwargs: dict) -> None:
+    """Refuse, before any model is loaded, what ``in_flight_weight_updates=True`` cannot do yet (or at all), naming
+    the setting and the fix: it is never silently degraded to loading versions between batches."""
+    if not getattr(args, "in_flight_weight_updates", False):
+        return
+    prefix = "in_flight_weight_updates=True"
+    if args.use_vllm:
+        raise NotImplementedError(
+            f"{prefix} is not supported with use_vllm=True (vllm_mode={args.vllm_mode!r}) yet: the generator loads a "
+            "new version between decode steps only in the generate backend (vLLM colocate between engine steps and "
+            "a vLLM server through pause / weight load / resume are planned, see docs/LIMITATIONS.md). Set "
+            "use_vllm=False, or in_flight_weight_updates=False."
+        )
+    if getattr(args, "behavior_logps_source", "generation") != "generation":
+        raise ValueError(
+            f"{prefix} needs behavior_logps_source='generation': each token's behavior log-prob must be the one the "
+            "weights that sampled it gave it, recorded while generating; a forward after generation would score "
+            "every token with the weights loaded last. Set behavior_logps_source='generation'."
+        )
+    if getattr(args, "reproducible_generation", False):
+        raise ValueError(
+            f"{prefix} cannot be combined with reproducible_generation=True: where a completion switches to a newer "
+            "version depends on when the trainer publishes it (timing), so two runs would not be identical. Set "
+            "in_flight_weight_updates=False for reproducible runs, or reproducible_generation=False."
+        )
+    if not getattr(args, "async_generation", True):
+        raise ValueError(
+            f"{prefix} needs async_generation=True: with the generator in the main thread, the trainer publishes "
+            "nothing while a batch is generated, so there is never a version to load mid-batch. Set "
+            "async_generation=True, or in_flight_weight_updates=False."
+        )
+    if getattr(args, "use_transformers_continuous_batching", False):
+        raise NotImplementedError(
+            f"{prefix} is not supported with use_transformers_continuous_batching=True yet: continuous batching runs "
+            "its own decode loop, which this library does not yet interrupt to load a version. Set "
+            "use_transformers_continuous_batching=False, or in_flight_weight_updates=False."
+        )
+    if kwargs.get("rollout_func") is not None:
+        raise NotImplementedError(
+            f"{prefix} is not supported with a rollout_func yet: a rollout_func drives its own generation and returns "
+            "one version per call, not the version of each token. Set in_flight_weight_updates=False, or use "
+            "tools / environment_factory (multi-turn rollouts tag every token)."
+        )
+
+
 def check_supported(args: GRPOConfig, kwargs: dict) -> None:
     """Reject, before any model is loaded, the GRPOTrainer options this trainer cannot honour."""
     check_vllm_settings(args)
     check_continuous_batching_settings(args)
+    check_in_flight_updates(args, kwargs)
     if args.use_vllm and getattr(args, "behavior_logps_source", "generation") == "forward":
         raise ValueError(
             "behavior_logps_source='forward' needs the generator's own Hugging Face model; with use_vllm=True the "

@@ -17,14 +17,18 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from types import SimpleNamespace
 
 import torch
 from tiny import length_reward, make_model, make_prompts
 from transformers import TrainerCallback
 
+import a3po_trl.trainer
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
 from a3po_trl.checkpoints import save_checkpoint_atomically
+from a3po_trl.patches import peft_base_model
 
 #: The settings of the trainer tests: one optimizer step per batch of 4 (one prompt, 4 completions of 8 tokens), CPU.
 COMMON = dict(
@@ -256,3 +260,77 @@ def cli_workspace(path, reward_model: bool = False) -> dict:
         "bf16": False,
         "seed": 0,
     }
+
+
+SWITCH_AFTER = 3
+"""In-flight tests: tokens a batch samples before its generator waits for, and then loads, the next version."""
+LOCKSTEP_TIMEOUT = 600.0  # a guard against a hang only: a loaded 2-core machine can be very slow
+
+
+class Lockstep:
+    """Deterministic switch points of in-flight weight updates for ``trainer`` (``in_flight_weight_updates=True``),
+    a function of the schedule, not of timing, and what each batch carried.
+
+    The trainer takes batch ``j`` only once its generator has reached the third decode step (:data:`SWITCH_AFTER`) of
+    batch ``j + lag``, where the generator, in a batch ``b >= lag``, waits until the trainer has published the version
+    after the one it started with. So batch ``b`` samples its first 3 tokens with version ``b - lag`` and the rest
+    with ``b - lag + 1`` (counted from the run's first version), in every run, on every process.
+    ``setattr_fn`` patches the trainer module's ``make_training_batch`` (``monkeypatch.setattr`` in a test)."""
+
+    def __init__(self, trainer, setattr_fn, lag: int, num_batches: int):
+        self.lag = lag
+        self.started = [threading.Event() for _ in range(num_batches)]
+        self.start_versions: dict[int, int] = {}
+        self.token_versions: dict[int, torch.Tensor] = {}
+        self.scored_versions: dict[int, int] = {}
+        self.masks: dict[int, torch.Tensor] = {}
+        self._batch, self._forwards, self.backend = -1, 0, None
+        build = trainer._build_backend
+
+        def build_with_hook():
+            backend = self.backend = build()
+            peft_base_model(backend.module).register_forward_pre_hook(self._generator_forward, with_kwargs=True)
+            generate = backend.generate
+
+            def generate_batch(*args, **kwargs):  # one call per batch (single-turn, no chunks): the next batch
+                self._batch += 1
+                self._forwards = 0
+                self.start_versions[self._batch] = backend.version
+                return generate(*args, **kwargs)
+
+            backend.generate = generate_batch
+            return backend
+
+        trainer._build_backend = build_with_hook
+        make_training_batch = a3po_trl.trainer.make_training_batch
+
+        def gated(trainer, scored, *args):
+            self.token_versions[scored.index] = scored.tensors["token_versions"].clone()
+            self.masks[scored.index] = scored.tensors["completion_mask"].bool().clone()
+            self.scored_versions[scored.index] = scored.version
+            following = scored.index + self.lag
+            if following < len(self.started) and not self.started[following].wait(LOCKSTEP_TIMEOUT):
+                raise RuntimeError(f"the generator did not start batch {following}")
+            return make_training_batch(trainer, scored, *args)
+
+        setattr_fn(a3po_trl.trainer, "make_training_batch", gated)
+
+    def _generator_forward(self, module, args, kwargs):
+        self._forwards += 1
+        if self._forwards == SWITCH_AFTER:  # the trainer may go on (and publish) only once this batch is here
+            self.started[self._batch].set()
+        if self._forwards == SWITCH_AFTER and self._batch >= self.lag:
+            target = self.start_versions[self._batch] + 1
+            deadline = time.monotonic() + LOCKSTEP_TIMEOUT
+            while self.backend.published_version < target:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"version {target} was never published")
+                time.sleep(0.005)
+
+    def expected_versions(self, index: int) -> torch.Tensor:
+        """The version of each token of batch ``index`` (as padded: -1 past each completion's end)."""
+        mask = self.masks[index]
+        start = self.start_versions[index]
+        step = torch.arange(mask.size(1)).expand_as(mask)
+        switched = start + (step >= SWITCH_AFTER).long() if index >= self.lag else torch.full_like(step, start)
+        return torch.where(mask, switched, torch.full_like(step, -1))

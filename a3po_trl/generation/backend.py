@@ -1,11 +1,14 @@
 """The one interface every generation backend implements.
 
-A backend generates completions and their behavior log-probs with *one* weight version at a time. The versions
+A backend generates completions and their behavior log-probs with *one* weight version at a time (the ``generate``
+backend may switch to a newer one between two decode steps, ``in_flight_weight_updates``, and then reports the version
+of each token: :attr:`~a3po_trl.types.GeneratedCompletions.token_versions`). The versions
 themselves live in its :class:`~a3po_trl.generation.weights.VersionedWeights` (the staging store, with the gather and
 dtype rules of :mod:`a3po_trl.generation.weights`):
 
 - main thread: :meth:`GenerationBackend.publish` stages the trainer's trainable weights as version ``v``;
-- generation thread: :meth:`GenerationBackend.refresh`, called only between batches, loads the newest staged version
+- generation thread: :meth:`GenerationBackend.refresh`, called between batches (and, with in-flight weight updates,
+  between the decode steps of the ``generate`` backend), loads the newest staged version
   (or exactly an assigned one) into whatever generates (:meth:`GenerationBackend.load_weights`: a module copy for
   Hugging Face ``generate``, the engine's weights or a new LoRA adapter for vLLM), then
   :meth:`GenerationBackend.generate` runs a batch with it;
@@ -136,15 +139,21 @@ class GenerationBackend(ABC):
         seed: int | None,
         timings: dict[str, float],
     ) -> GeneratedCompletions:
-        """:meth:`generate`, adding its seconds to ``timings``: ``"generation"``, and ``"behavior_logps"`` for the
-        part a separate log-prob forward took (what a rollout reports as ``async/generation_time`` and
-        ``async/behavior_logps_time``)."""
+        """:meth:`generate`, adding its seconds to ``timings``: ``"generation"``, ``"behavior_logps"`` for the
+        part a separate log-prob forward took, and ``"in_flight_weight_load"`` for the versions loaded between decode
+        steps (what a rollout reports as ``async/generation_time``, ``async/behavior_logps_time`` and
+        ``async/in_flight_weight_load_time``), with ``"in_flight_weight_loads"`` counting those loads."""
         start = time.perf_counter()
         generated = self.generate(prompt_ids, should_stop, seed)
         end = time.perf_counter()
         forward = generated.timings.get("behavior_logps", 0.0)
-        timings["generation"] = timings.get("generation", 0.0) + end - start - forward
+        in_flight = generated.timings.get("in_flight_weight_load", 0.0)
+        timings["generation"] = timings.get("generation", 0.0) + end - start - forward - in_flight
         timings["behavior_logps"] = timings.get("behavior_logps", 0.0) + forward
+        if "in_flight_weight_load" in generated.timings:
+            timings["in_flight_weight_load"] = timings.get("in_flight_weight_load", 0.0) + in_flight
+            loads = generated.timings.get("in_flight_weight_loads", 0.0)
+            timings["in_flight_weight_loads"] = timings.get("in_flight_weight_loads", 0.0) + loads
         # On the timeline, a separate log-prob forward is drawn as the end of the call (it runs after generating)
         record_in_batch_span("generation", start, end - forward, sequences=len(prompt_ids))
         if forward > 0:

@@ -63,6 +63,8 @@ def batch_metrics(
             timings.get("rewards", 0.0),
             timings.get("generator_wait_for_staleness_bound", 0.0),
             timings.get("weight_load", 0.0),
+            timings.get("in_flight_weight_load", 0.0),
+            timings.get("in_flight_weight_loads", 0.0),
             waited,
             float(queue_depth),
             float(scored.version),
@@ -76,6 +78,8 @@ def batch_metrics(
         "async/reward_time",
         "async/generator_wait_time",
         "async/weight_load_time",
+        "async/in_flight_weight_load_time",
+        "async/in_flight_weight_loads",
         "async/trainer_wait_time",
         "async/queue_depth",
         "async/generator_version",
@@ -87,30 +91,47 @@ def batch_metrics(
     return values, int((prompt_tokens + lengths.sum()).item())
 
 
-def tool_metrics(
-    accelerator,
-    stats: ToolStats | None,
-    versions: torch.Tensor,
-    loss_mask: torch.Tensor,
-    completion_lengths: torch.Tensor,
-) -> dict:
+def version_metrics(accelerator, versions: torch.Tensor) -> dict[str, float]:
+    """How many weight versions the completions of one generation batch span, over every process (one sum-reduce
+    and one gather), from the ``(B, T)`` version of each token (negative for tokens no model generated: tool
+    results, padding). ``a3po/multi_version_trajectories_frac``: the fraction of completions whose generated tokens
+    come from more than one version (turns generated across an update, or in-flight weight updates);
+    ``a3po/completion_versions_mean|max``: distinct versions per completion (over completions with a generated
+    token)."""
+    ordered = versions.sort(dim=1).values
+    starts = torch.ones_like(ordered, dtype=torch.bool)
+    starts[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    distinct = (starts & (ordered >= 0)).sum(dim=1)
+    local = torch.stack(
+        [
+            torch.tensor(versions.size(0), device=versions.device),
+            (distinct > 0).sum(),
+            distinct.sum(),
+            (distinct > 1).sum(),
+        ]
+    ).float()
+    rows, rows_generated, version_sum, mixed = accelerator.reduce(local, reduction="sum").tolist()
+    most = accelerator.gather(distinct.max().view(1).float())
+    return {
+        "a3po/multi_version_trajectories_frac": mixed / max(rows, 1.0),
+        "a3po/completion_versions_mean": version_sum / max(rows_generated, 1.0),
+        "a3po/completion_versions_max": most.max().item(),
+    }
+
+
+def tool_metrics(accelerator, stats: ToolStats | None, completion_lengths: torch.Tensor) -> dict:
     """Multi-turn statistics of one generation batch over every process (one sum-reduce and one gather), from the
-    tool-call loop's ``stats`` and the ``(B, T)`` weight ``versions`` of the tokens. Empty for batches without tools.
+    tool-call loop's ``stats``. Empty for batches without tools.
 
     GRPOTrainer's ``tools/call_frequency`` (tool calls per trajectory) and ``tools/failure_frequency`` (failed calls
     per call), and: ``tools/timeout_frequency`` (calls past ``tool_call_timeout`` per call), ``tools/turns_mean|max``
     (model turns per trajectory), ``tools/generated_tokens_mean`` and ``tools/tool_result_tokens_mean`` (per
-    trajectory), ``a3po/multi_version_trajectories_frac`` (trajectories whose generated tokens come from more than
-    one weight version: turns generated across an update).
+    trajectory). How many versions a trajectory's tokens span is :func:`version_metrics`'.
     """
     if stats is None:
         return {}
-    device = versions.device
+    device = completion_lengths.device
     turns, tool_lengths = stats.turns.to(device), stats.tool_result_lengths.to(device)
-    generated = loss_mask.bool() & (versions >= 0)
-    newest = torch.where(generated, versions, torch.full_like(versions, -1)).max(dim=1).values
-    oldest = torch.where(generated, versions, torch.full_like(versions, 1 << 62)).min(dim=1).values
-    mixed = (generated.any(dim=1) & (newest > oldest)).sum()
     local = torch.stack(
         [
             torch.tensor(stats.calls, device=device),
@@ -120,10 +141,9 @@ def tool_metrics(
             turns.sum(),
             completion_lengths.sum(),
             tool_lengths.sum(),
-            mixed,
         ]
     ).float()
-    calls, failures, timeouts, rows, turn_sum, generated_sum, tool_sum, mixed_sum = accelerator.reduce(
+    calls, failures, timeouts, rows, turn_sum, generated_sum, tool_sum = accelerator.reduce(
         local, reduction="sum"
     ).tolist()
     most_turns = accelerator.gather(turns.max().view(1).float()).max().item()
@@ -136,7 +156,6 @@ def tool_metrics(
         "tools/turns_max": most_turns,
         "tools/generated_tokens_mean": generated_sum / rows,
         "tools/tool_result_tokens_mean": tool_sum / rows,
-        "a3po/multi_version_trajectories_frac": mixed_sum / rows,
     }
 
 

@@ -14,9 +14,10 @@ completions``, ``_generate`` and ``_tool_call_loop`` in TRL 1.16), done here for
    dropped and the row ends).
 
 What is A-3PO's own: every generated token records the weight version that generated it, and the generator may load
-newer weights between turns (``refresh_weights_between_turns``), so a trajectory whose turns span an update is staled
-token by token. Tool-result tokens carry no version (-1), a behavior log-prob of 0 and a 0 in ``tool_mask``: they are
-attended to but never enter the loss.
+newer weights between turns (``refresh_weights_between_turns``) and, with ``in_flight_weight_updates``, between the
+decode steps of a turn, so a trajectory whose tokens span an update is staled token by token. Tool-result tokens
+carry no version (-1), a behavior log-prob of 0 and a 0 in ``tool_mask``: they are attended to but never enter the
+loss.
 """
 
 from __future__ import annotations
@@ -167,18 +168,20 @@ def generate_with_tools(
             end = time.perf_counter()
             timings["weight_load"] += end - start
             record_in_batch_span("weight load between turns", start, end, turn=turn, loaded_version=backend.version)
-        version = backend.version
+        version = backend.version  # before the call: an in-flight update changes it mid-turn
         generated = backend.timed_generate(ids_list, should_stop, turn_seed(seed, turn), timings)
         logps = [[float(x) for x in row.tolist()] for row in generated.logps]
         if generated.sampling_logps is not None:
             sampled[0] = True
         sampling = generated.sampling_logps if generated.sampling_logps is not None else generated.logps
         sampling = [[float(x) for x in row.tolist()] for row in sampling]
-        return [list(ids) for ids in generated.completion_ids], logps, sampling, version
+        versions = generated.token_versions
+        if versions is None:
+            versions = [[version] * len(ids) for ids in generated.completion_ids]
+        return [list(ids) for ids in generated.completion_ids], logps, sampling, [list(v) for v in versions]
 
     sampled = [False]  # whether any turn's sampler drew from a processed distribution
-    completion_ids, logps, sampling_logps, version = generate(prompt_ids, 0)
-    token_versions = [[version] * len(ids) for ids in completion_ids]
+    completion_ids, logps, sampling_logps, token_versions = generate(prompt_ids, 0)
     tool_mask = [[1] * len(ids) for ids in completion_ids]
     turns = [1] * batch
     completions = [
@@ -222,15 +225,18 @@ def generate_with_tools(
         active = list(extended)
         if not active:
             break
-        new_ids, new_logps, new_sampling_logps, version = generate([extended[i] for i in active], turn)
-        for i, ids, row_logps, row_sampling in zip(active, new_ids, new_logps, new_sampling_logps, strict=True):
+        new_ids, new_logps, new_sampling_logps, new_versions = generate([extended[i] for i in active], turn)
+        generated_rows = zip(active, new_ids, new_logps, new_sampling_logps, new_versions, strict=True)
+        for i, ids, row_logps, row_sampling, row_versions in generated_rows:
             tool_length = len(extended[i]) - len(prompt_ids[i]) - len(completion_ids[i])
             budget = agent.max_completion_length - (len(extended[i]) - len(prompt_ids[i]))
-            ids, row_logps, row_sampling = (values[: max(budget, 0)] for values in (ids, row_logps, row_sampling))
+            ids, row_logps, row_sampling, row_versions = (
+                values[: max(budget, 0)] for values in (ids, row_logps, row_sampling, row_versions)
+            )
             tool_mask[i] += [0] * tool_length + [1] * len(ids)
             logps[i] += [0.0] * tool_length + row_logps
             sampling_logps[i] += [0.0] * tool_length + row_sampling
-            token_versions[i] += [NO_VERSION] * tool_length + [version] * len(ids)
+            token_versions[i] += [NO_VERSION] * tool_length + row_versions
             completion_ids[i] = extended[i][len(prompt_ids[i]) :] + ids
             turns[i] += 1
             message = parse_completion(agent, ids, extended[i], tools_per_row[i]) if ids else {}

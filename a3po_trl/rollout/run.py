@@ -182,16 +182,20 @@ def run_rollout(
 
 
 def generate_single_turn(settings, backend, prompts, prompt_ids, should_stop, seed) -> Trajectories:
-    """One generate call for the batch: every token from the loaded version."""
+    """One generate call for the batch: every token from the version loaded when it starts, or (in-flight weight
+    updates) from the version the backend reports for it."""
     timings: dict[str, float] = {}
+    version = backend.version  # before the call: an in-flight update changes it mid-batch
     generated = backend.timed_generate(prompt_ids, should_stop, seed, timings)
-    version = backend.version
     sampling_logps = generated.sampling_logps
+    token_versions = generated.token_versions
+    if token_versions is None:
+        token_versions = [[version] * len(ids) for ids in generated.completion_ids]
     return Trajectories(
         completion_ids=generated.completion_ids,
         logps=[lp.float().cpu() for lp in generated.logps],
         sampling_logps=[lp.float().cpu() for lp in sampling_logps] if sampling_logps is not None else None,
-        token_versions=[[version] * len(ids) for ids in generated.completion_ids],
+        token_versions=[list(row) for row in token_versions],
         completions=settings.decode(generated.completion_ids, prompt_ids, prompts),
         timings=timings,
     )

@@ -96,6 +96,23 @@ def test_two_processes_train_and_agree(tmp_path, name, lora):
 
 
 @pytest.mark.parametrize("name", ["ddp", "zero3"])
+def test_two_processes_load_versions_mid_batch_each_token_tagged(tmp_path, name):
+    """In-flight weight updates on two processes (each generator loads from its own staging buffer, which every
+    process's publication filled): with the switch points fixed by the schedule, every process's batches 1 to 3
+    switch versions after their third token, and the processes end in agreement."""
+    reports = _launch(tmp_path, name, False, 29950 + hash(name) % 40, "--in-flight")
+    for r in reports:
+        assert r["global_step"] == 4 and r["generator_matches_trainer"]
+        assert r["token_versions"] == r["expected_token_versions"]
+        assert r["in_flight_weight_loads"] == [0.0, 1.0, 1.0, 1.0]
+        for index in range(1, 4):
+            generated = {v for row in r["token_versions"][index] for v in row if v >= 0}
+            assert generated == {index - 1, index}
+        assert 0 <= r["max_staleness_seen"] <= 1
+    assert reports[0]["generator_checksum"] == pytest.approx(reports[1]["generator_checksum"], rel=1e-9)
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero3"])
 def test_reward_models_and_batch_normalised_advantages_use_every_process(tmp_path, name):
     """A reward model partitioned by ZeRO-3 runs collectives: it is scored in the main thread there (in the
     generation thread otherwise). Advantages normalised by the batch's std use the std of every process's rewards,

@@ -204,6 +204,36 @@ def test_every_token_records_the_version_that_generated_it(tool_tokenizer, refre
     assert backend.calls[0][2] == 7 and backend.calls[1][2] not in (7, None)
 
 
+class InFlightScriptedBackend(ScriptedBackend):
+    """A backend that, like the generate backend with in-flight weight updates, loads a newer version after the second
+    token of every call and reports the version of each token."""
+
+    def generate(self, prompt_ids, should_stop, seed):
+        started = self.version
+        generated = super().generate(prompt_ids, should_stop, seed)
+        self.restore_weights(started + 1, {})  # published mid-call by the trainer ...
+        self.refresh()  # ... and loaded between two decode steps
+        generated.token_versions = [
+            [started] * min(2, len(ids)) + [started + 1] * (len(ids) - 2) for ids in generated.completion_ids
+        ]
+        return generated
+
+
+def test_versions_loaded_within_a_turn_are_recorded_token_by_token(tool_tokenizer):
+    backend = InFlightScriptedBackend(tool_tokenizer, tool_script())
+    backend.restore_weights(0, {})
+    backend.refresh()
+    prompt_ids = render(tool_tokenizer, [[{"role": "user", "content": "3 times 4?"}]], [multiply])
+    out = generate_with_tools(agent(tool_tokenizer, [multiply]), backend, prompt_ids, None, None, None, seed=3)
+    call_ids = encode(tool_tokenizer, CALL.format(name="multiply", arguments='{"a": 3, "b": 4}'))
+    done_ids = encode(tool_tokenizer, DONE)
+    tool_length = len(out.completion_ids[0]) - len(call_ids) - len(done_ids)
+    # turn 1 switches from 0 to 1 after its second token, turn 2 (started with 1) from 1 to 2
+    assert out.token_versions[0] == (
+        [0, 0] + [1] * (len(call_ids) - 2) + [NO_VERSION] * tool_length + [1, 1] + [2] * (len(done_ids) - 2)
+    )
+
+
 def test_a_truncating_sampler_gives_every_turn_its_sampling_log_probs(tool_tokenizer):
     """Every generated token of every turn carries the log-prob of the distribution it was drawn from beside the
     policy's; tool-result tokens carry 0 in both. A sampler that does not truncate gives none."""

@@ -2,6 +2,7 @@
 
 accelerate launch --config_file CONFIG tests/scripts/distributed_tiny.py OUT_DIR [--lora] [--reward-model] [--tools]
     [--dynamic-sampling]
+    [--in-flight]
 
 ``--tools`` trains with an environment (a counter tool and an environment-owned reward) through a scripted
 ``generate`` that calls the tool on a third of the rows: the report then says which threads ran the tool calls and
@@ -9,6 +10,8 @@ the logged tool statistics.
 
 ``--dynamic-sampling`` trains with ``dynamic_sampling=True`` and a reward that is flat for every other prompt: the
 report then holds the prompts this process drew, and how many generation batches it drew beyond one per batch.
+``--in-flight`` trains with ``in_flight_weight_updates=True`` and deterministic switch points (``helpers.Lockstep``,
+lag 1): the report then holds each batch's token versions and the versions the schedule says they must be.
 
 ``--reward-model`` adds a reward model beside the reward function and normalises advantages with the batch's std
 (``scale_rewards="batch"``), both of which need every process: the report then says which thread ran the reward
@@ -22,7 +25,7 @@ import threading
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from helpers import distributed_script_config, generator_matches  # noqa: E402
+from helpers import Lockstep, distributed_script_config, generator_matches, logged  # noqa: E402
 from tiny import (  # noqa: E402
     CALL,
     DONE,
@@ -47,6 +50,7 @@ def main():
     with_reward_model = "--reward-model" in sys.argv
     with_tools = "--tools" in sys.argv
     dynamic_sampling = "--dynamic-sampling" in sys.argv
+    in_flight = "--in-flight" in sys.argv
     tokenizer = make_tool_tokenizer() if with_tools else make_tokenizer()
     peft_config = None
     if lora:
@@ -73,7 +77,10 @@ def main():
     if dynamic_sampling:  # a flat reward for every other prompt: the generator draws more to fill each batch
         reward_funcs = [_half_flat_reward(drawn)]
     args = distributed_script_config(
-        out_dir, scale_rewards="batch" if with_reward_model else "group", dynamic_sampling=dynamic_sampling
+        out_dir,
+        scale_rewards="batch" if with_reward_model else "group",
+        dynamic_sampling=dynamic_sampling,
+        in_flight_weight_updates=in_flight,
     )
     model, tool_threads, extra = make_model(tokenizer), [], {}
     if with_tools:
@@ -92,6 +99,7 @@ def main():
         peft_config=peft_config,
         **extra,
     )
+    lockstep = Lockstep(trainer, setattr, lag=1, num_batches=4) if in_flight else None
     local_advantages = []
     make_training_batch = trainer_module.make_training_batch
 
@@ -142,6 +150,10 @@ def main():
             h["rewards/Counter/mean"] for h in trainer.state.log_history if "rewards/Counter/mean" in h
         ],
     }
+    if lockstep is not None:
+        report["token_versions"] = [lockstep.token_versions[i].tolist() for i in range(4)]
+        report["expected_token_versions"] = [lockstep.expected_versions(i).tolist() for i in range(4)]
+        report["in_flight_weight_loads"] = logged(trainer, "async/in_flight_weight_loads")
     with open(os.path.join(out_dir, f"rank{report['rank']}.json"), "w") as f:
         json.dump(report, f)
     # No explicit destroy_process_group here, as in TRL's own scripts: the trainer registered it with atexit

@@ -12,6 +12,10 @@ When the training module's parameters are sharded (DeepSpeed ZeRO-3, FSDP2), ``g
 the meta device and filled with the gathered weights, one parameter at a time (nothing can be shared), and every
 publication gathers the trainable weights; both happen in the main thread, on every process together.
 
+With ``in_flight_weight_updates`` (:attr:`HFGenerationSettings.in_flight_updates`), a version published while a batch
+is being generated is loaded between two decode steps and the batch continues with it; every token records the
+version that sampled it (:mod:`.in_flight`).
+
 Sampling draws from the backend's own ``torch.Generator`` (:class:`~.sampling.OwnStreamSampling`) for
 plain sampling, and the behavior log-probs are recorded while generating
 (:class:`~.sampling.GenerationLogpsRecorder`) or, where ``generate`` does not run one forward per token,
@@ -39,6 +43,7 @@ from ..backend import GenerationBackend
 from ..weights import StagingLayout, VersionedWeights, as_parameter_gather
 from ..weights.copies import generator_copy, unsharded_copy
 from ..weights.names import without_checkpoint_wrapper
+from .in_flight import InFlightLoads
 from .sampling import GenerationLogpsRecorder, OwnStreamSampling
 
 logger = logging.getLogger(__name__)
@@ -83,6 +88,10 @@ class HFGenerationSettings:
     """The generation config processes the distribution before sampling (see
     :func:`~.sampling.processed_sampling`): also record the log-probs of the processed distribution the
     tokens are drawn from. Needs ``behavior_logps_source="generation"`` and ``own_random_stream``."""
+    in_flight_updates: bool = False
+    """Load a version published while a batch is being generated between two decode steps and continue with it
+    (:mod:`.in_flight`); every token records the version that sampled it. Needs
+    ``behavior_logps_source="generation"`` and a generation config that runs one forward per token."""
 
 
 class HFGenerateBackend(GenerationBackend):
@@ -108,6 +117,11 @@ class HFGenerateBackend(GenerationBackend):
                 "The sampling log-probs of a processed distribution (top-k/p, min-p, penalties, ...) are recorded "
                 "only while generating with plain sampling: record_sampling_logps needs own_random_stream=True and "
                 "behavior_logps_source='generation'."
+            )
+        if settings.in_flight_updates and settings.behavior_logps_source != "generation":
+            raise ValueError(
+                "in_flight_weight_updates needs behavior_logps_source='generation': the behavior log-prob of each "
+                "token must be recorded from the forward of the weights that sampled it."
             )
         self.settings = settings
         device = explicit_device(device if device is not None else module_device(module))
@@ -148,7 +162,16 @@ class HFGenerateBackend(GenerationBackend):
         record = settings.behavior_logps_source == "generation"
         timings = {}
         with torch.no_grad(), _autocast(self.device, settings.autocast_dtype):
-            completion_ids, logps, sampling_logps = self._generate(prompt_ids, should_stop, record)
+            completion_ids, logps, sampling_logps, token_versions = self._generate(
+                prompt_ids, should_stop, record, timings
+            )
+        if logps is None and settings.in_flight_updates:
+            raise RuntimeError(
+                "in_flight_weight_updates: the behavior log-probs could not be recorded during generation (this "
+                "generation setup does not run one forward per generated token), and a forward after generation "
+                "would score every token with the weights loaded last. Use plain sampling or greedy decoding "
+                "without beams, assisted decoding or chunked prefill, or set in_flight_weight_updates=False."
+            )
         if logps is None and settings.record_sampling_logps:
             raise RuntimeError(
                 "The log-probs of the processed sampling distribution (top-k/p, min-p, penalties, ...) could not be "
@@ -167,7 +190,11 @@ class HFGenerateBackend(GenerationBackend):
             logps = self._forward_logps(prompt_ids, completion_ids)
             timings["behavior_logps"] = time.perf_counter() - start
         return GeneratedCompletions(
-            completion_ids=completion_ids, logps=logps, sampling_logps=sampling_logps, timings=timings
+            completion_ids=completion_ids,
+            logps=logps,
+            sampling_logps=sampling_logps,
+            timings=timings,
+            token_versions=token_versions,
         )
 
     def _forward_logps(self, prompt_ids, completion_ids) -> list[torch.Tensor]:
@@ -184,13 +211,17 @@ class HFGenerateBackend(GenerationBackend):
             ).cpu()
         return [row[: len(ids)] for row, ids in zip(logps, completion_ids)]
 
-    def _generate(self, prompt_ids_list, should_stop, record_logps: bool):
+    def _generate(self, prompt_ids_list, should_stop, record_logps: bool, timings: dict[str, float]):
         """Completion ids per row, cut after the first EOS, and (``record_logps``) their behavior log-probs and, when
         the settings ask for them, their sampling log-probs; the log-probs are ``None`` when they could not be
-        recorded."""
+        recorded. With in-flight updates, also the version of each token (else ``None``), and the loads' count and
+        seconds in ``timings``."""
         settings, module, device = self.settings, self.module, self.device
         chunk = settings.chunk_size or len(prompt_ids_list)
-        stopping = StoppingCriteriaList([_CallableStop(should_stop)]) if should_stop is not None else None
+        in_flight = settings.in_flight_updates
+        token_versions: list[list[int]] | None = [] if in_flight else None
+        if in_flight:
+            timings.update(in_flight_weight_load=0.0, in_flight_weight_loads=0.0)
         completions: list[list[int]] = []
         logps: list[torch.Tensor] | None = [] if record_logps else None
         sampling_logps: list[torch.Tensor] | None = [] if record_logps and settings.record_sampling_logps else None
@@ -205,6 +236,11 @@ class HFGenerateBackend(GenerationBackend):
                 if logps is not None
                 else None
             )
+            loads = InFlightLoads(self) if in_flight else None
+            criteria = [_CallableStop(should_stop)] if should_stop is not None else []
+            if loads is not None:
+                criteria.append(loads)  # after the stop check: it tags the step, then may load a version
+            stopping = StoppingCriteriaList(criteria) if criteria else None
             extra = {}
             if self._sampling_generator is not None:
                 observer = recorder.sampling_observer if recorder is not None else None
@@ -221,7 +257,16 @@ class HFGenerateBackend(GenerationBackend):
             finally:
                 if recorder is not None:
                     recorder.close()
+                if loads is not None:
+                    timings["in_flight_weight_load"] += loads.seconds
+                    timings["in_flight_weight_loads"] += loads.loads
             generated = output[:, ids.size(1) :]
+            if loads is not None and len(loads.step_versions) != generated.size(1):
+                raise RuntimeError(
+                    f"in_flight_weight_updates: generate ran {len(loads.step_versions)} decode steps for "
+                    f"{generated.size(1)} generated tokens, so the version of each token is unknown. Use plain "
+                    "sampling or greedy decoding without beams or assisted decoding."
+                )
             chunk_logps = recorder.finish(generated) if recorder is not None else None
             if recorder is not None and chunk_logps is None:
                 logps = sampling_logps = None  # misaligned: the caller computes them with a forward pass instead
@@ -232,13 +277,15 @@ class HFGenerateBackend(GenerationBackend):
             keep = torch.arange(is_eos.size(1), device=device).expand(is_eos.size(0), -1) <= eos_idx.unsqueeze(1)
             keep = keep.cpu()
             completions.extend(row[m].tolist() for row, m in zip(generated.cpu(), keep))
+            if token_versions is not None:
+                token_versions.extend(loads.step_versions[: int(m.sum())] for m in keep)
             if logps is not None:
                 logps.extend(row[m] for row, m in zip(chunk_logps.float().cpu(), keep))
             if sampling_logps is not None:
                 sampling_logps.extend(row[m] for row, m in zip(recorder.sampling_logps.float().cpu(), keep))
         if should_stop is not None and should_stop():
             raise GenerationStopped
-        return completions, logps, sampling_logps
+        return completions, logps, sampling_logps, token_versions
 
 
 class _CallableStop:
