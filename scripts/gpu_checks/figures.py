@@ -164,14 +164,26 @@ def planned_memory(backend) -> dict | None:
     ``device`` on the generation device (the CPU in a CPU run), ``host`` in host memory beside a GPU (vLLM's pinned
     staging; 0 in a CPU run).
 
-    An adapter over today's :class:`~a3po_trl.generation.weights.memory_plan.GeneratorMemoryPlan`, which lists items
-    per device (``bytes_on``); when the plan counts host memory itself, read its host figure here."""
+    Read from :class:`~a3po_trl.generation.weights.memory_plan.GeneratorMemoryPlan`: ``device_bytes`` and its
+    ``pinned_host_bytes`` (per process), with where it chose to stage the weights."""
     plan = getattr(backend, "memory_plan", None)
     if plan is None:
         return None
-    generation = plan.setup.generation_device
-    host = plan.bytes_on(torch.device("cpu")) if generation.type != "cpu" else 0
-    return {"device": plan.bytes_on(generation), "host": host, "text": plan.describe()}
+    return {
+        "device": plan.device_bytes,
+        "host": plan.pinned_host_bytes,
+        "staging_location": plan.staging_location,
+        "text": plan.describe(),
+    }
+
+
+def staged_pinned_bytes(backend) -> int:
+    """Page-locked bytes the weight staging holds (registered with ``cudaHostRegister``, one buffer per version, so
+    torch's caching host allocator does not see them); 0 when it stages elsewhere."""
+    weights = getattr(backend, "weights", None)
+    if weights is None or not weights.layout.pin_memory:
+        return 0
+    return weights.allocated_bytes
 
 
 def pinned_host_bytes() -> dict | None:
@@ -206,8 +218,11 @@ def memory_figures(trainer, steps: list[dict], device: str) -> dict:
         "peak_device_bytes": peak,
         "peak_over_predicted": peak / predicted if peak is not None and predicted else None,
         "plan_host_bytes": plan["host"] if plan else None,
-        "pinned_host_bytes": pinned["peak"] if pinned is not None else None,
+        "pinned_host_bytes": (
+            pinned["peak"] + staged_pinned_bytes(backend) if pinned is not None and backend is not None else None
+        ),
         "pinned_host_allocations": pinned["allocations"] if pinned is not None else None,
+        "staging_location": plan["staging_location"] if plan else None,
         "plan": plan["text"] if plan else None,
     }
 
