@@ -80,6 +80,7 @@ def generator_memory(generator, trainer_module) -> dict:
         "shared_parameters": generator.shared_parameter_count,
         "generator_weights_bytes": sum(size for ptr, size in generator_tensors.items() if ptr not in trainer),
         "staging_bytes": generator.weights.layout.bytes_per_version,
+        "staged_weights": len(generator.weights.layout.shapes),
     }
 
 

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+from a3po_trl.generation.weights.store import STAGING_ALIGNMENT
 from benchmarks.compare import cli as compare
 from benchmarks.compare.plan import build_plan, common_settings
 
@@ -214,6 +215,8 @@ def test_lora_memory_report_on_the_tiny_model(tmp_path):
     assert lora["shared_parameters"] == full["model_parameters"]  # the whole base is the trainer's own tensors
     assert 0 < lora["copied_parameters"] < full["copied_parameters"] // 10
     # the generator owns its adapter and a staging buffer of the same size; a full copy owns the whole model twice
-    assert lora["staging_bytes"] == lora["publish_bytes"] == 4 * lora["copied_parameters"]
+    # (one buffer, each weight's view at an aligned offset: less than one alignment of padding a weight)
+    assert lora["publish_bytes"] == 4 * lora["copied_parameters"]
+    assert 0 <= lora["staging_bytes"] - lora["publish_bytes"] < STAGING_ALIGNMENT * lora["staged_weights"]
     assert lora["generator_weights_bytes"] < full["generator_weights_bytes"] // 5
     assert lora["extra_bytes"] < full["extra_bytes"] // 5

@@ -11,6 +11,8 @@ import os
 import pytest
 from helpers import launch_fsdp2
 
+from a3po_trl.generation.weights.store import STAGING_ALIGNMENT
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "fsdp2_tiny.py")
 LOGPS_TOLERANCE = 1e-6
@@ -81,7 +83,10 @@ def test_under_bf16_mixed_precision_the_generator_holds_bf16_not_the_fp32_master
         # FSDP2 computes with bf16 parameters too: the generator's log-probs are the trainer's
         assert max(r["logps_max_abs_diff"].values()) <= LOGPS_TOLERANCE, r["logps_max_abs_diff"]
         plan = {what: size for what, size, _ in r["memory_plan"]}
-        assert plan["staging, one version"] == 2 * r["copied_parameters"]  # bf16: 2 bytes a parameter, as built
+        assert r["staged_weight_bytes"] == 2 * r["copied_parameters"]  # bf16: 2 bytes a parameter, as built
+        # one buffer a version: the weights' bytes, each view at an aligned offset (less than one alignment a view)
+        padding = plan["staging, one version"] - r["staged_weight_bytes"]
+        assert 0 <= padding < STAGING_ALIGNMENT * r["staged_weights"], (padding, r["staged_weights"])
         if activation_checkpointing:
             assert r["checkpoint_wrapped_parameters"] > 0  # the names really carry the wrapper
     if lora:

@@ -21,6 +21,7 @@ import pytest
 import torch
 from helpers import logged, make_trainer
 from tiny import make_model
+from torch.overrides import TorchFunctionMode
 
 import a3po_trl
 from a3po_trl.metrics import deferred
@@ -36,48 +37,39 @@ def _boolean_index(index) -> bool:
     return any(isinstance(part, torch.Tensor) and part.dtype == torch.bool for part in parts)
 
 
+class _CountingHostReads(TorchFunctionMode):
+    """Sees every tensor method call (a torch function mode: patching ``torch.Tensor``'s methods would change its C
+    slots for the rest of the process, e.g. ``torch.tensor([tensor(1.5)])`` then fails) and counts the host reads."""
+
+    def __init__(self, counts: Counter, skipped: set[int]):
+        super().__init__()
+        self.counts, self.skipped = counts, skipped
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in _READS or (name == "__getitem__" and _boolean_index(args[1])):
+            caller = sys._getframe(1).f_code.co_filename  # the method's caller: C methods add no frame
+            if id(args[0]) not in self.skipped and not caller.startswith(_LIBRARIES):
+                self.counts["boolean index" if name == "__getitem__" else name] += 1
+        return func(*args, **(kwargs or {}))
+
+
 @contextlib.contextmanager
 def counting_host_reads(host_tensors=()):
     """Count the host reads of tensors made by code outside torch and transformers (the model's own forward is not
     this library's), skipping ``host_tensors`` (tensors that live on the host by design); and every
     ``torch.cuda.synchronize``."""
     counts: Counter = Counter()
-    skipped = {id(t) for t in host_tensors}
-
-    def count(name, tensor):
-        caller = sys._getframe(2).f_code.co_filename
-        if id(tensor) not in skipped and not caller.startswith(_LIBRARIES):
-            counts[name] += 1
-
-    originals = {name: getattr(torch.Tensor, name) for name in (*_READS, "__getitem__")}
-    patched = {}
-    for name in _READS:
-
-        def wrapper(self, *args, _name=name, **kwargs):
-            count(_name, self)
-            return originals[_name](self, *args, **kwargs)
-
-        patched[name] = wrapper
-
-    def getitem(self, index):
-        if _boolean_index(index):
-            count("boolean index", self)
-        return originals["__getitem__"](self, index)
-
-    patched["__getitem__"] = getitem
     synchronize = torch.cuda.synchronize
 
     def counting_synchronize(*args, **kwargs):
         counts["torch.cuda.synchronize"] += 1
 
+    torch.cuda.synchronize = counting_synchronize
     try:
-        for name, function in patched.items():
-            setattr(torch.Tensor, name, function)
-        torch.cuda.synchronize = counting_synchronize
-        yield counts
+        with _CountingHostReads(counts, {id(t) for t in host_tensors}):
+            yield counts
     finally:
-        for name, function in originals.items():
-            setattr(torch.Tensor, name, function)
         torch.cuda.synchronize = synchronize
 
 

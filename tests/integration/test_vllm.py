@@ -166,6 +166,8 @@ def test_dynamic_sampling_with_a_colocated_engine_and_lora_trains_signal_carryin
     assert sum(logged(trainer, "a3po/dynamic_sampling_extra_batches")) == len(draws) - 3
     mismatch = logged(trainer, "a3po/behavior_mismatch_max")
     assert mismatch and max(mismatch) < LOGP_TOLERANCE  # rows of every draw carry the engine's log-probs
+
+
 def test_every_colocated_batch_is_generated_by_the_version_it_is_tagged_with(tokenizer, tmp_path, monkeypatch):
     """The engine's own report (``CompletionOutput.weight_versions``, the label set at every load) of every token of
     every batch of a run is the version the batch is tagged with; a batch sampled by other weights fails."""

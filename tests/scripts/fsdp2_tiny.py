@@ -197,6 +197,8 @@ def train_and_check(out_dir, tokenizer, lora, with_extras=False):
         ),
         "staging_dtypes": sorted({str(d) for d in policy.weights.layout.dtypes.values()}),
         "staging_device": str(policy.weights.layout.device),
+        "staged_weight_bytes": sum(map(policy.weights.layout.weight_bytes, policy.weights.layout.shapes)),
+        "staged_weights": len(policy.weights.layout.shapes),
         "memory_plan": [[item.what, item.bytes, str(item.device)] for item in policy.memory_plan.items],
         "checkpoint_wrapped_parameters": sum(
             "_checkpoint_wrapped_module" in name for name, _ in model.named_parameters()

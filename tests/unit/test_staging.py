@@ -276,6 +276,7 @@ def test_staging_the_shared_server_switcher_writes_its_file_without_the_lock(tok
 
     switcher._write_weights_file = slow_write
     switcher._reload_from_file = lambda: None
+    switcher._set_label = lambda label: None  # no server to label
     switched = []
     thread, errors = in_thread(lambda: switched.append(VLLMServerBackend._switch_server_to(switcher, 0)))
     try:
