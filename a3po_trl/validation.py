@@ -17,6 +17,7 @@ from .generation.hf.continuous_batching import (
     check_continuous_batching_sampling,
 )
 from .generation.hf.sampling import processed_sampling, samples_with_own_stream, sampling_deviations
+from .generation.vllm.in_flight import IN_FLIGHT_LORA_REFUSAL
 from .patches import peft_base_model
 
 logger = logging.getLogger(__name__)
@@ -144,13 +145,17 @@ def check_in_flight_updates(args, kwargs: dict) -> None:
     if not getattr(args, "in_flight_weight_updates", False):
         return
     prefix = "in_flight_weight_updates=True"
-    if args.use_vllm:
+    if args.use_vllm and args.vllm_mode != "colocate":
         raise NotImplementedError(
-            f"{prefix} is not supported with use_vllm=True (vllm_mode={args.vllm_mode!r}) yet: the generator loads a "
-            "new version between decode steps only in the generate backend (vLLM colocate between engine steps and "
-            "a vLLM server through pause / weight load / resume are planned, see docs/LIMITATIONS.md). Set "
-            "use_vllm=False, or in_flight_weight_updates=False."
+            f"{prefix} is not supported with use_vllm=True and vllm_mode={args.vllm_mode!r} yet: a server would have "
+            "to be paused with its requests kept (pause_generation(mode='keep')), loaded and resumed, and generate "
+            "through the route that returns each token's weight version (/inference/v1/generate, a server started "
+            "with --enable-scale-out); the /v1/completions route used today returns none (planned, see "
+            "docs/LIMITATIONS.md). Set vllm_mode='colocate' (the in-process engine loads versions between engine "
+            "steps), use_vllm=False, or in_flight_weight_updates=False."
         )
+    if args.use_vllm and kwargs.get("peft_config") is not None:
+        raise NotImplementedError(IN_FLIGHT_LORA_REFUSAL)
     if getattr(args, "behavior_logps_source", "generation") != "generation":
         raise ValueError(
             f"{prefix} needs behavior_logps_source='generation': each token's behavior log-prob must be the one the "

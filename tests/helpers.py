@@ -289,7 +289,7 @@ class Lockstep:
 
         def build_with_hook():
             backend = self.backend = build()
-            peft_base_model(backend.module).register_forward_pre_hook(self._generator_forward, with_kwargs=True)
+            self.hook_generator(backend)
             generate = backend.generate
 
             def generate_batch(*args, **kwargs):  # one call per batch (single-turn, no chunks): the next batch
@@ -315,7 +315,11 @@ class Lockstep:
 
         setattr_fn(a3po_trl.trainer, "make_training_batch", gated)
 
-    def _generator_forward(self, module, args, kwargs):
+    def hook_generator(self, backend) -> None:
+        """Call :meth:`_generator_forward` before each forward of the generator (a subclass hooks another backend)."""
+        peft_base_model(backend.module).register_forward_pre_hook(self._generator_forward, with_kwargs=True)
+
+    def _generator_forward(self, module=None, args=None, kwargs=None):
         self._forwards += 1
         if self._forwards == SWITCH_AFTER:  # the trainer may go on (and publish) only once this batch is here
             self.started[self._batch].set()

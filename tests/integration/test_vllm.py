@@ -170,24 +170,25 @@ def test_dynamic_sampling_with_a_colocated_engine_and_lora_trains_signal_carryin
 
 def test_every_colocated_batch_is_generated_by_the_version_it_is_tagged_with(tokenizer, tmp_path, monkeypatch):
     """The engine's own report (``CompletionOutput.weight_versions``, the label set at every load) of every token of
-    every batch of a run is the version the batch is tagged with; a batch sampled by other weights fails."""
+    every batch of a run is the version the batch is tagged with (the version loaded at every engine step of it); a
+    batch sampled by other weights fails."""
     from a3po_trl.generation.vllm import colocate
     from a3po_trl.generation.vllm.weight_versions import WeightVersionMismatch
 
     reported = []
-    check = colocate.check_outputs_version
+    check = colocate.check_token_versions
 
-    def recording(outputs, version):
+    def recording(outputs, step_versions):
         labels = {span.version for output in outputs for done in output.outputs for span in done.weight_versions}
-        reported.append((labels, version))
-        check(outputs, version)
+        reported.append((labels, {v for row in step_versions for v in row}))
+        return check(outputs, step_versions)
 
-    monkeypatch.setattr(colocate, "check_outputs_version", recording)
+    monkeypatch.setattr(colocate, "check_token_versions", recording)
     trainer = make_vllm_trainer(tokenizer, tmp_path, max_staleness=1, max_steps=3)
     trainer.train()
     tags = [int(v) for v in logged(trainer, "async/generator_version")]
     assert len(tags) == 3 and tags[-1] >= 1
-    assert reported == [({str(tag)}, tag) for tag in tags]
+    assert reported == [({str(tag)}, {tag}) for tag in tags]
     backend = trainer._backend
     try:
         backend.llm.update_weight_version("elsewhere")  # weights changed behind the backend's back

@@ -178,12 +178,33 @@ def test_what_in_flight_updates_cannot_do_is_refused_before_any_model_loads(tmp_
     check_supported(_config(tmp_path), {})  # the supported setting passes
 
 
-@pytest.mark.parametrize("mode", ["colocate", "server"])
-def test_in_flight_updates_with_vllm_are_refused_with_the_reason(tmp_path, mode):
+def _vllm_config(tmp_path, mode):
     args = _config(tmp_path)
-    args.use_vllm, args.vllm_mode = True, mode  # set after construction: no vLLM is needed to be refused
-    with pytest.raises(NotImplementedError, match="in_flight_weight_updates=True is not supported with use_vllm"):
-        check_supported(args, {})
+    args.use_vllm, args.vllm_mode = True, mode  # set after construction: no vLLM is needed to be checked
+    return args
+
+
+def test_in_flight_updates_with_a_vllm_server_are_refused_with_the_reason(tmp_path):
+    with pytest.raises(NotImplementedError, match="in_flight_weight_updates=True is not supported with use_vllm") as e:
+        check_supported(_vllm_config(tmp_path, "server"), {})
+    assert "vllm_mode='server'" in str(e.value) and "/inference/v1/generate" in str(e.value)
+    assert "vllm_mode='colocate'" in str(e.value)  # the fix
+
+
+def test_in_flight_updates_with_vllm_colocate_pass_and_with_lora_are_refused(tmp_path):
+    from peft import LoraConfig
+
+    check_supported(_vllm_config(tmp_path, "colocate"), {})  # full weights: the engine loads between steps
+    with pytest.raises(NotImplementedError, match="use_vllm=True and LoRA") as raised:
+        check_supported(_vllm_config(tmp_path, "colocate"), {"peft_config": LoraConfig(r=4)})
+    assert "cannot switch a running request to another adapter" in str(raised.value)
+    assert "in_flight_weight_updates=False" in str(raised.value)
+    for overrides in ({"behavior_logps_source": "forward"}, {"reproducible_generation": True}):
+        args = _vllm_config(tmp_path, "colocate")
+        for name, value in overrides.items():
+            setattr(args, name, value)
+        with pytest.raises((ValueError, NotImplementedError), match="in_flight_weight_updates=True"):
+            check_supported(args, {})  # every other refusal holds with vLLM too
 
 
 def test_in_flight_updates_is_a_flag_and_a_yaml_key_of_the_command(tmp_path):

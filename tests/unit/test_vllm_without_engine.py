@@ -160,19 +160,31 @@ def test_a_server_batch_fails_unless_the_server_holds_its_version_before_and_aft
         server_backend.generate([A, B], None, seed=1)
 
 
-def test_colocated_outputs_must_be_labelled_with_the_batch_version_throughout():
-    from a3po_trl.generation.vllm.weight_versions import WeightVersionMismatch, check_outputs_version
+def test_colocated_tokens_must_be_labelled_with_the_version_loaded_at_the_step_that_sampled_them():
+    from a3po_trl.generation.vllm.weight_versions import WeightVersionMismatch, check_token_versions
 
-    def output(*spans):
+    def output(count, *spans):
         spans = None if spans == (None,) else [SimpleNamespace(version=v, start=a, end=b) for v, a, b in spans]
-        return SimpleNamespace(request_id="r", outputs=[SimpleNamespace(weight_versions=spans)])
+        return SimpleNamespace(
+            request_id="r", outputs=[SimpleNamespace(weight_versions=spans, token_ids=list(range(count)))]
+        )
 
-    check_outputs_version([output(("2", 0, 5)), output(("2", 0, 1))], 2)
-    with pytest.raises(WeightVersionMismatch, match=r"tokens \[3, 5\) by '3'"):  # a load in the middle of the batch
-        check_outputs_version([output(("2", 0, 5)), output(("2", 0, 3), ("3", 3, 5))], 2)
+    # one version throughout, and (in-flight) a load between two steps: each token's version is vLLM's label of it
+    assert check_token_versions([output(5, ("2", 0, 5)), output(1, ("2", 0, 1))], [[2] * 5, [2]]) == [[2] * 5, [2]]
+    split = output(5, ("2", 0, 3), ("3", 3, 5))
+    assert check_token_versions([split], [[2, 2, 2, 3, 3]]) == [[2, 2, 2, 3, 3]]
+    with pytest.raises(WeightVersionMismatch, match=r"tokens \[3, 5\) by '3' \(loaded: '2'\)"):  # a load unrecorded
+        check_token_versions([split], [[2] * 5])
+    with pytest.raises(WeightVersionMismatch, match=r"tokens \[2, 3\) by '2' \(loaded: '3'\)"):  # a late label
+        check_token_versions([split], [[2, 2, 3, 3, 3]])
+    with pytest.raises(WeightVersionMismatch, match=r"tokens \[0, 2\) by 'elsewhere'"):
+        check_token_versions([output(2, ("elsewhere", 0, 2))], [[2, 2]])
     with pytest.raises(WeightVersionMismatch, match="no weight version"):
-        check_outputs_version([output(None)], 2)
-    check_outputs_version([SimpleNamespace(request_id="r", outputs=[SimpleNamespace()])], 2)  # vLLM < 0.32
+        check_token_versions([output(2, None)], [[2, 2]])
+    with pytest.raises(WeightVersionMismatch, match="recorded the engine steps of 3 tokens"):
+        check_token_versions([output(2, ("2", 0, 2))], [[2, 2, 2]])
+    old_vllm = SimpleNamespace(request_id="r", outputs=[SimpleNamespace(token_ids=[1, 2])])  # vLLM < 0.32
+    assert check_token_versions([old_vllm], [[4, 5]]) == [[4, 5]]
 
 
 # ---- a full-weight server shared by two processes: one file per version --------------------------------------------
@@ -278,7 +290,7 @@ class FakeLLM:
             self.loaded = {name: tensor.clone() for name, tensor in kwargs["weights_iterator"]}
 
     def reset_prefix_cache(self):
-        pass
+        return True  # as vLLM's when no request holds a cache block
 
 
 def lora_model(tokenizer, **config):

@@ -16,11 +16,13 @@ weights move without serialization:
 Versions are staged (:class:`~a3po_trl.generation.weights.VersionedWeights`) on the engine's GPU when the memory
 plan finds room for the copy there, so a version never leaves the GPU (gather -> staging -> engine); otherwise in
 pinned host memory, which costs two PCIe crossings of the version (see docs/GPU.md). The plan logs its choice.
-Every load labels the engine's weights with the version (``LLM.update_weight_version``), and every batch checks that
-vLLM sampled all its tokens with weights of that label (:mod:`~a3po_trl.generation.vllm.weight_versions`).
+Every load labels the engine's weights with the version (``LLM.update_weight_version``); generation records the
+version loaded at each engine step, and every batch checks that vLLM's label of each token is the version loaded at
+the step that sampled it (:mod:`~a3po_trl.generation.vllm.weight_versions`).
 
 Generation steps the engine request by request (``add_request`` / ``step``), so ``should_stop`` ends a batch within
-one decoding step.
+one decoding step. With ``in_flight_weight_updates`` (full weights only), a version the trainer publishes while a batch
+is generated is loaded between two engine steps and the batch's requests continue with it (:mod:`.in_flight`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from ..backend import GenerationBackend
 from ..weights import VersionedWeights, as_parameter_gather, vllm_weight_name
 from ..weights.copies import generator_copy, unsharded_copy
 from ..weights.names import without_checkpoint_wrapper
+from .in_flight import IN_FLIGHT_LORA_REFUSAL, InFlightEngineLoads, StepVersions
 from .sampling import VLLMSamplingSettings, completions_from_outputs, row_seeds, sampling_params
 from .weight_loading import (
     active_lora,
@@ -49,7 +52,7 @@ from .weight_loading import (
     vllm_staging_layout,
     write_lora_adapter,
 )
-from .weight_versions import INITIAL_VERSION_LABEL, check_outputs_version, version_label
+from .weight_versions import INITIAL_VERSION_LABEL, check_token_versions, version_label
 from .worker import repack_lm_head
 
 logger = logging.getLogger(__name__)
@@ -71,6 +74,8 @@ class VLLMColocateBackend(GenerationBackend):
         staging_device: where versions are staged: the engine's GPU (the memory plan found room there, see
             :func:`~a3po_trl.generation.weights.memory_plan.plan_generator_memory_choosing_staging`), or None: in
             host memory, pinned when the engine is on a GPU.
+        in_flight_updates: load a version published while a batch is generated between two engine steps
+            (``in_flight_weight_updates``, :mod:`.in_flight`); full weights only.
     """
 
     def __init__(
@@ -83,9 +88,13 @@ class VLLMColocateBackend(GenerationBackend):
         gather=None,
         dtype: torch.dtype | None = None,
         staging_device: torch.device | None = None,
+        in_flight_updates: bool = False,
     ):
         device = explicit_device(device)
         self.sampling = sampling
+        self.in_flight_updates = in_flight_updates
+        self._in_batch = False  # between the first and the last engine step of a batch
+        self._prefix_cache_stale = False  # a version was loaded while requests held cache blocks
         self._closed = False
         self._adapter_root = tempfile.mkdtemp(prefix="a3po-vllm-adapters-")
         self._lora_request = None
@@ -93,6 +102,8 @@ class VLLMColocateBackend(GenerationBackend):
         self._merge_copy: nn.Module | None = None
         self._peft_config = None
         lora = active_lora(module)
+        if lora is not None and in_flight_updates:
+            raise ValueError(IN_FLIGHT_LORA_REFUSAL)
         if lora is not None:
             self._adapter_name, self._peft_config = lora
             reason = unsupported_lora_reason(self._peft_config)
@@ -124,6 +135,13 @@ class VLLMColocateBackend(GenerationBackend):
         self._label = getattr(self.llm, "update_weight_version", None)  # vLLM 0.32; None before: not checked
         if self._label is not None:
             self._label(INITIAL_VERSION_LABEL)
+        self._in_flight = InFlightEngineLoads(self, self.llm.llm_engine) if in_flight_updates else None
+        if self._in_flight is not None and self._label is None:
+            raise RuntimeError(
+                "in_flight_weight_updates=True with vLLM needs vLLM >= 0.32, which labels each token with the weight "
+                "version that sampled it (CompletionOutput.weight_versions). Upgrade vLLM, or set "
+                "in_flight_weight_updates=False."
+            )
 
     # ---- generation thread ---------------------------------------------------------------------------------------
     def load_weights(self, weights, version):
@@ -143,7 +161,22 @@ class VLLMColocateBackend(GenerationBackend):
     def _reload(self, named_tensors) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
         self.llm.collective_rpc(repack_lm_head)
-        self.llm.reset_prefix_cache()
+        # No block the older weights computed may serve a new request. vLLM resets the prefix cache only when no
+        # request holds a block (BlockPool.reset_prefix_cache), never in the middle of a batch: then the reset waits
+        # for the batch's end (generate resets it before adding the next batch's requests).
+        self._prefix_cache_stale = True
+        if not self._in_batch:
+            self._reset_prefix_cache()
+
+    def _reset_prefix_cache(self) -> None:
+        if not self._prefix_cache_stale:
+            return
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError(
+                "vLLM refused to reset its prefix cache after a weight load (requests still hold cache blocks): "
+                "blocks computed by older weights could serve new requests."
+            )
+        self._prefix_cache_stale = False
 
     def _load_adapter(self, weights, version: int) -> None:
         from vllm.lora.request import LoRARequest
@@ -171,6 +204,7 @@ class VLLMColocateBackend(GenerationBackend):
 
     def generate(self, prompt_ids, should_stop, seed):
         llm_engine = self.llm.llm_engine
+        self._reset_prefix_cache()  # before any request of this batch may look the cache up
         batch = uuid.uuid4().hex[:8]
         request_ids = [f"a3po-{batch}-{i}" for i in range(len(prompt_ids))]
         for request_id, ids, row_seed in zip(request_ids, prompt_ids, row_seeds(seed, len(prompt_ids))):
@@ -181,19 +215,33 @@ class VLLMColocateBackend(GenerationBackend):
                 lora_request=self._lora_request,
             )
         finished = {}
+        steps = StepVersions(request_ids)
+        timings = {"in_flight_weight_load": 0.0, "in_flight_weight_loads": 0.0} if self._in_flight else {}
+        self._in_batch = True
         try:
             while llm_engine.has_unfinished_requests():
                 if should_stop is not None and should_stop():
                     raise GenerationStopped
+                if self._in_flight is not None:
+                    self._in_flight.maybe_load(timings, steps.count)
+                version = self.version  # what this step samples with
                 for output in llm_engine.step():
+                    steps.record(output, version)
                     if output.finished:
                         finished[output.request_id] = output
         except BaseException:
             llm_engine.abort_request([r for r in request_ids if r not in finished])
             raise
+        finally:
+            self._in_batch = False
         outputs = [finished[r] for r in request_ids]
-        check_outputs_version(outputs, self.version)
-        return completions_from_outputs(outputs, self.sampling.stop_token_ids)
+        # each token's version: vLLM's label of it, which must be the version loaded at the step that sampled it
+        versions = check_token_versions(outputs, steps.of(request_ids))
+        generated = completions_from_outputs(outputs, self.sampling.stop_token_ids)
+        if self._in_flight is not None:
+            generated.token_versions = [row[: len(ids)] for row, ids in zip(versions, generated.completion_ids)]
+            generated.timings.update(timings)
+        return generated
 
     def close(self) -> None:
         if self._closed:

@@ -197,6 +197,11 @@ def build_vllm_backend(
         enforce_eager=device.type == "cpu",
         skip_tokenizer_init=True,  # prompts arrive as token ids, completions leave as token ids
     )
+    in_flight = bool(getattr(args, "in_flight_weight_updates", False))
+    if in_flight:
+        # in-flight loads go between engine steps: no step may still run then (async scheduling overlaps them on GPU;
+        # vLLM's CPU platform turns it off anyway)
+        engine_kwargs["async_scheduling"] = False
     if num_processes > 1:
         # One engine per training process, as TRL's colocate mode runs them: the engine joins the process group the
         # launcher set up (RANK / LOCAL_RANK / WORLD_SIZE), takes the process's own device, and builds its parallel
@@ -214,4 +219,5 @@ def build_vllm_backend(
         gather=gather,
         dtype=dtype,
         staging_device=staging_device,
+        in_flight_updates=in_flight,
     )
