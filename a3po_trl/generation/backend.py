@@ -1,16 +1,16 @@
 """The one interface every generation backend implements.
 
 A backend generates completions and their behavior log-probs with *one* weight version at a time (the ``generate``
-backend may switch to a newer one between two decode steps, ``in_flight_weight_updates``, and then reports the version
-of each token: :attr:`~a3po_trl.types.GeneratedCompletions.token_versions`). The versions
+backend and vLLM colocate may switch to a newer one between two decode or engine steps, ``in_flight_weight_updates``,
+and then report the version of each token: :attr:`~a3po_trl.types.GeneratedCompletions.token_versions`). The versions
 themselves live in its :class:`~a3po_trl.generation.weights.VersionedWeights` (the staging store, with the gather and
 dtype rules of :mod:`a3po_trl.generation.weights`):
 
 - main thread: :meth:`GenerationBackend.publish` stages the trainer's trainable weights as version ``v``;
 - generation thread: :meth:`GenerationBackend.refresh`, called between batches (and, with in-flight weight updates,
-  between the decode steps of the ``generate`` backend), loads the newest staged version
-  (or exactly an assigned one) into whatever generates (:meth:`GenerationBackend.load_weights`: a module copy for
-  Hugging Face ``generate``, the engine's weights or a new LoRA adapter for vLLM), then
+  between the decode steps of the ``generate`` backend or the engine steps of vLLM colocate), loads the newest staged
+  version (or exactly an assigned one) into whatever generates (:meth:`GenerationBackend.load_weights`: a module copy
+  for Hugging Face ``generate``, the engine's weights or a new LoRA adapter for vLLM), then
   :meth:`GenerationBackend.generate` runs a batch with it;
 - :meth:`GenerationBackend.close` releases the engine.
 
