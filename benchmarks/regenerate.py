@@ -13,7 +13,9 @@ What is regenerated, and from what:
 - ``compare-*.md`` and ``profile-*.md`` from their JSON reports (``benchmarks/compare``), ``backends-*.md`` from theirs
   (``benchmarks/backends.py``).
 
-Not regenerable, and why (:data:`NOT_REGENERABLE`): the summaries whose runs were never committed (to be rerun).
+Not regenerable, and why (:data:`NOT_REGENERABLE`): the summaries whose runs were never committed (to be rerun). A
+study being rerun (:data:`RERUNS`) keeps its old summary until every run of the rerun is committed: a part of the
+rerun (the runner resumes it) never replaces a whole summary.
 """
 
 from __future__ import annotations
@@ -41,8 +43,20 @@ FROM_SUMMARY = (
 )
 
 
+#: The studies being rerun whole (their first records were never committed), with the runs a complete rerun has:
+#: until every one is committed, the old summary stays and is not regenerated from a part of the rerun.
+RERUNS = {"proximal_map": 768, "approximation": 4}
+
+
 def _has_runs(folder: Path) -> bool:
-    return any((folder / "runs").glob("*@*.json"))
+    """Whether ``folder``'s summary is made from its committed runs (for a study being rerun: all of them)."""
+    runs = len(list((folder / "runs").glob("*@*.json")))
+    return runs >= RERUNS.get(folder.name, 1)
+
+
+def rerun_progress(folder: Path) -> str:
+    """``"<kept> of <planned> runs"`` of a study being rerun."""
+    return f"{len(list((folder / 'runs').glob('*@*.json')))} of {RERUNS[folder.name]} runs"
 
 
 def regenerate(results: Path = RESULTS) -> list[str]:
@@ -133,8 +147,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def _not_regenerable() -> None:
     for name, why in NOT_REGENERABLE.items():
-        if not _has_runs(RESULTS / name.split("/")[0]):
-            print(f"[regenerate] {name} not regenerable: {why}")
+        folder = RESULTS / name.split("/")[0]
+        if not _has_runs(folder):
+            print(f"[regenerate] {name} not regenerable: {why} (rerun so far: {rerun_progress(folder)})")
 
 
 if __name__ == "__main__":

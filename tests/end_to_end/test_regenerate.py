@@ -33,3 +33,17 @@ def test_check_names_a_summary_edited_by_hand_and_regenerate_restores_it(tmp_pat
     assert len(cells) == 16 and sum(c["verdict"] == "difference" for c in cells) == 6
     regenerate.regenerate(results)
     assert summary.read_text() == committed
+
+
+def test_a_rerun_in_progress_does_not_replace_the_summary_it_reruns(tmp_path):
+    """The proximal map is rerun whole: until its 768 runs are all committed, its summary stays the committed one
+    (read back), not one made from the part of the rerun that is done."""
+    results = tmp_path / "results"
+    (results / "proximal_map" / "runs").mkdir(parents=True)
+    shutil.copy(regenerate.RESULTS / "proximal_map" / "summary.json", results / "proximal_map")
+    committed = (results / "proximal_map" / "summary.json").read_text()
+    (results / "proximal_map" / "runs" / "loglinear-s0-k1-lrhi@0.json").write_text("{}")  # one run of 768
+    made = regenerate.regenerate(results)
+    assert "proximal_map/summary.json" not in made and "proximal_map/families.md" in made
+    assert (results / "proximal_map" / "summary.json").read_text() == committed
+    assert regenerate.rerun_progress(results / "proximal_map") == "1 of 768 runs"
