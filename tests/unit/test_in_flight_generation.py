@@ -184,11 +184,19 @@ def _vllm_config(tmp_path, mode):
     return args
 
 
-def test_in_flight_updates_with_a_vllm_server_are_refused_with_the_reason(tmp_path):
-    with pytest.raises(NotImplementedError, match="in_flight_weight_updates=True is not supported with use_vllm") as e:
-        check_supported(_vllm_config(tmp_path, "server"), {})
-    assert "vllm_mode='server'" in str(e.value) and "/inference/v1/generate" in str(e.value)
-    assert "vllm_mode='colocate'" in str(e.value)  # the fix
+def test_in_flight_updates_with_a_vllm_server_pass_and_lora_or_several_processes_are_refused(tmp_path, monkeypatch):
+    from peft import LoraConfig
+
+    check_supported(_vllm_config(tmp_path, "server"), {})  # full weights: loaded mid-batch through pause / resume
+    with pytest.raises(NotImplementedError, match="vllm_mode='server' and LoRA") as raised:
+        check_supported(_vllm_config(tmp_path, "server"), {"peft_config": LoraConfig(r=4)})
+    assert "cannot switch a running request to another adapter" in str(raised.value)
+    server, colocate = _vllm_config(tmp_path, "server"), _vllm_config(tmp_path, "colocate")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a server shared by two training processes
+    with pytest.raises(NotImplementedError, match="shared by several training processes") as raised:
+        check_supported(server, {})
+    assert "vllm_mode='colocate'" in str(raised.value) and "in_flight_weight_updates=False" in str(raised.value)
+    check_supported(colocate, {})  # one engine per process
 
 
 def test_in_flight_updates_with_vllm_colocate_pass_and_with_lora_are_refused(tmp_path):
