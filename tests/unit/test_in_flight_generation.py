@@ -225,3 +225,46 @@ def test_in_flight_updates_is_a_flag_and_a_yaml_key_of_the_command(tmp_path):
     assert parser.parse_args_and_config(base)[1].in_flight_weight_updates is False
     for argv in (["--in_flight_weight_updates", "true"], ["--config", str(config)]):  # (a config sets defaults)
         assert parser.parse_args_and_config([*base, *argv])[1].in_flight_weight_updates is True
+
+
+@pytest.mark.parametrize(
+    "labelled, statuses, fix",
+    [
+        (False, {}, "vLLM >= 0.32"),
+        (True, {"/is_paused": 404}, "VLLM_SERVER_DEV_MODE=1"),
+        (True, {"/inference/v1/generate": 403}, "--enable-scale-out"),
+        (True, {"/inference/v1/generate": 404}, "--enable-scale-out"),
+    ],
+)
+def test_a_server_without_the_routes_in_flight_loads_need_is_refused_naming_the_flag(labelled, statuses, fix):
+    from types import SimpleNamespace
+
+    import requests
+
+    from a3po_trl.generation.vllm.server import VLLMServerError
+    from a3po_trl.generation.vllm.server_in_flight import check_in_flight_server
+
+    def request(method, url, **kwargs):  # a server with every route unless `statuses` says otherwise
+        path = url.removeprefix("http://server")
+        return SimpleNamespace(status_code=statuses.get(path, 400 if path.startswith("/inference") else 200))
+
+    backend = SimpleNamespace(
+        base_url="http://server", request_timeout=1.0, _labelled=labelled, _requests=requests,
+        _session=SimpleNamespace(request=request),
+    )  # fmt: skip
+    with pytest.raises(VLLMServerError, match="in_flight_weight_updates=True with the vLLM server") as raised:
+        check_in_flight_server(backend)
+    assert fix in str(raised.value) and "in_flight_weight_updates=False" in str(raised.value)
+    check_in_flight_server(
+        SimpleNamespace(
+            **{
+                **vars(backend),
+                "_labelled": True,
+                "_session": SimpleNamespace(
+                    request=lambda method, url, **kwargs: SimpleNamespace(
+                        status_code=400 if "inference" in url else 200
+                    )
+                ),
+            }
+        )
+    )
