@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 
 from datasets import IterableDataset
 from torch import nn
@@ -18,6 +19,7 @@ from .generation.hf.continuous_batching import (
 )
 from .generation.hf.sampling import processed_sampling, samples_with_own_stream, sampling_deviations
 from .generation.vllm.in_flight import IN_FLIGHT_LORA_REFUSAL
+from .generation.vllm.server_in_flight import IN_FLIGHT_SERVER_LORA_REFUSAL, IN_FLIGHT_SHARED_SERVER_REFUSAL
 from .patches import peft_base_model
 
 logger = logging.getLogger(__name__)
@@ -145,17 +147,12 @@ def check_in_flight_updates(args, kwargs: dict) -> None:
     if not getattr(args, "in_flight_weight_updates", False):
         return
     prefix = "in_flight_weight_updates=True"
-    if args.use_vllm and args.vllm_mode != "colocate":
-        raise NotImplementedError(
-            f"{prefix} is not supported with use_vllm=True and vllm_mode={args.vllm_mode!r} yet: a server would have "
-            "to be paused with its requests kept (pause_generation(mode='keep')), loaded and resumed, and generate "
-            "through the route that returns each token's weight version (/inference/v1/generate, a server started "
-            "with --enable-scale-out); the /v1/completions route used today returns none (planned, see "
-            "docs/LIMITATIONS.md). Set vllm_mode='colocate' (the in-process engine loads versions between engine "
-            "steps), use_vllm=False, or in_flight_weight_updates=False."
-        )
     if args.use_vllm and kwargs.get("peft_config") is not None:
-        raise NotImplementedError(IN_FLIGHT_LORA_REFUSAL)
+        raise NotImplementedError(
+            IN_FLIGHT_SERVER_LORA_REFUSAL if args.vllm_mode == "server" else IN_FLIGHT_LORA_REFUSAL
+        )
+    if args.use_vllm and args.vllm_mode == "server" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise NotImplementedError(IN_FLIGHT_SHARED_SERVER_REFUSAL)  # (the backend refuses it too, when it is built)
     if getattr(args, "behavior_logps_source", "generation") != "generation":
         raise ValueError(
             f"{prefix} needs behavior_logps_source='generation': each token's behavior log-prob must be the one the "

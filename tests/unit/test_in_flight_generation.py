@@ -184,11 +184,19 @@ def _vllm_config(tmp_path, mode):
     return args
 
 
-def test_in_flight_updates_with_a_vllm_server_are_refused_with_the_reason(tmp_path):
-    with pytest.raises(NotImplementedError, match="in_flight_weight_updates=True is not supported with use_vllm") as e:
-        check_supported(_vllm_config(tmp_path, "server"), {})
-    assert "vllm_mode='server'" in str(e.value) and "/inference/v1/generate" in str(e.value)
-    assert "vllm_mode='colocate'" in str(e.value)  # the fix
+def test_in_flight_updates_with_a_vllm_server_pass_and_lora_or_several_processes_are_refused(tmp_path, monkeypatch):
+    from peft import LoraConfig
+
+    check_supported(_vllm_config(tmp_path, "server"), {})  # full weights: loaded mid-batch through pause / resume
+    with pytest.raises(NotImplementedError, match="vllm_mode='server' and LoRA") as raised:
+        check_supported(_vllm_config(tmp_path, "server"), {"peft_config": LoraConfig(r=4)})
+    assert "cannot switch a running request to another adapter" in str(raised.value)
+    server, colocate = _vllm_config(tmp_path, "server"), _vllm_config(tmp_path, "colocate")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a server shared by two training processes
+    with pytest.raises(NotImplementedError, match="shared by several training processes") as raised:
+        check_supported(server, {})
+    assert "vllm_mode='colocate'" in str(raised.value) and "in_flight_weight_updates=False" in str(raised.value)
+    check_supported(colocate, {})  # one engine per process
 
 
 def test_in_flight_updates_with_vllm_colocate_pass_and_with_lora_are_refused(tmp_path):
@@ -217,3 +225,46 @@ def test_in_flight_updates_is_a_flag_and_a_yaml_key_of_the_command(tmp_path):
     assert parser.parse_args_and_config(base)[1].in_flight_weight_updates is False
     for argv in (["--in_flight_weight_updates", "true"], ["--config", str(config)]):  # (a config sets defaults)
         assert parser.parse_args_and_config([*base, *argv])[1].in_flight_weight_updates is True
+
+
+@pytest.mark.parametrize(
+    "labelled, statuses, fix",
+    [
+        (False, {}, "vLLM >= 0.32"),
+        (True, {"/is_paused": 404}, "VLLM_SERVER_DEV_MODE=1"),
+        (True, {"/inference/v1/generate": 403}, "--enable-scale-out"),
+        (True, {"/inference/v1/generate": 404}, "--enable-scale-out"),
+    ],
+)
+def test_a_server_without_the_routes_in_flight_loads_need_is_refused_naming_the_flag(labelled, statuses, fix):
+    from types import SimpleNamespace
+
+    import requests
+
+    from a3po_trl.generation.vllm.server import VLLMServerError
+    from a3po_trl.generation.vllm.server_in_flight import check_in_flight_server
+
+    def request(method, url, **kwargs):  # a server with every route unless `statuses` says otherwise
+        path = url.removeprefix("http://server")
+        return SimpleNamespace(status_code=statuses.get(path, 400 if path.startswith("/inference") else 200))
+
+    backend = SimpleNamespace(
+        base_url="http://server", request_timeout=1.0, _labelled=labelled, _requests=requests,
+        _session=SimpleNamespace(request=request),
+    )  # fmt: skip
+    with pytest.raises(VLLMServerError, match="in_flight_weight_updates=True with the vLLM server") as raised:
+        check_in_flight_server(backend)
+    assert fix in str(raised.value) and "in_flight_weight_updates=False" in str(raised.value)
+    check_in_flight_server(
+        SimpleNamespace(
+            **{
+                **vars(backend),
+                "_labelled": True,
+                "_session": SimpleNamespace(
+                    request=lambda method, url, **kwargs: SimpleNamespace(
+                        status_code=400 if "inference" in url else 200
+                    )
+                ),
+            }
+        )
+    )

@@ -41,6 +41,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
@@ -52,6 +53,13 @@ from ...types import GenerationStopped
 from ..backend import GenerationBackend
 from ..weights import VersionedWeights, as_parameter_gather, vllm_weight_name
 from .sampling import VLLMSamplingSettings, completions_from_token_logprobs, row_seeds
+from .server_in_flight import (
+    IN_FLIGHT_SERVER_LORA_REFUSAL,
+    IN_FLIGHT_SHARED_SERVER_REFUSAL,
+    InFlightServerLoads,
+    check_in_flight_server,
+    generate_in_flight,
+)
 from .shared_server import SharedServerVersions
 from .weight_loading import active_lora, unsupported_lora_reason, vllm_staging_layout, write_lora_adapter
 from .weight_versions import INITIAL_VERSION_LABEL, check_server_version, version_label
@@ -139,9 +147,16 @@ class VLLMServerBackend(GenerationBackend):
         self._adapter = None
         self._closed = False
         self._tied_head = bool(getattr(getattr(module, "config", None), "tie_word_embeddings", False))
+        self._in_flight: InFlightServerLoads | None = None
+        self._prefix_cache_stale = False
 
+        in_flight = bool(getattr(args, "in_flight_weight_updates", False))
         self._peft_config = None
         lora = active_lora(module)
+        if lora is not None and in_flight:
+            raise ValueError(IN_FLIGHT_SERVER_LORA_REFUSAL)
+        if shared is not None and in_flight:
+            raise NotImplementedError(IN_FLIGHT_SHARED_SERVER_REFUSAL)
         if lora is not None:
             self._adapter_name, self._peft_config = lora
             reason = unsupported_lora_reason(self._peft_config)
@@ -169,6 +184,9 @@ class VLLMServerBackend(GenerationBackend):
         """Whether the server's weight label is this backend's version (full weights; see the module doc)."""
         if self._labelled and self._shared is None:  # a shared server's label is set by whoever switches it
             self._set_label(INITIAL_VERSION_LABEL)
+        if in_flight:  # versions loaded mid-batch (see .server_in_flight)
+            check_in_flight_server(self)
+            self._in_flight = InFlightServerLoads(self)
 
     def _server_has_labels(self) -> bool:
         """Whether the server serves vLLM's weight-version routes (0.32 does; an older vLLM answers 404)."""
@@ -342,7 +360,7 @@ class VLLMServerBackend(GenerationBackend):
         # one tensor at a time from the host staging buffer to the GPU, broadcast from there
         named = ((vllm_weight_name(name), t.to(self.device, non_blocking=True)) for name, t in weights.items())
         client.update_named_params(metadata, named)
-        self._post("/reset_prefix_cache", self.sync_timeout)
+        self._reset_prefix_cache_after_load()
 
     def _write_weights_file(self, weights) -> None:
         """Write a version as the checkpoint the server reloads (this process's own directory)."""
@@ -368,14 +386,44 @@ class VLLMServerBackend(GenerationBackend):
                     "weight reload leaves stale; start the server with `--worker-extension-cls "
                     "a3po_trl.generation.vllm.worker.A3POWorkerExtension` so the trainer can refresh it."
                 ) from error
-        self._post("/reset_prefix_cache", self.sync_timeout)
+        self._reset_prefix_cache_after_load()
+
+    def _reset_prefix_cache_after_load(self) -> None:
+        """No block the older weights computed may serve a new request. With in-flight loads, a load may come while
+        the batch's requests hold blocks, when vLLM cannot reset the cache: it is reset before the next batch
+        (:meth:`_reset_stale_prefix_cache`)."""
+        if self._in_flight is not None:
+            self._prefix_cache_stale = True
+        else:
+            self._post("/reset_prefix_cache", self.sync_timeout)
+
+    def _reset_stale_prefix_cache(self) -> None:
+        """Reset the prefix cache if a load made it stale, retrying while vLLM still frees the blocks of the requests
+        that ended (it answers ``success: false`` while any block is held), for at most ``weight_sync_timeout``."""
+        deadline = time.monotonic() + self.sync_timeout
+        while self._prefix_cache_stale:
+            if self._post("/reset_prefix_cache", self.sync_timeout).get("success", True):
+                self._prefix_cache_stale = False
+            elif time.monotonic() > deadline:
+                raise VLLMServerError(
+                    f"The vLLM server at {self.base_url} did not reset its prefix cache after a weight load within "
+                    f"weight_sync_timeout={self.sync_timeout} s (requests still hold cache blocks: another client's, "
+                    "or this trainer's from a stopped batch): blocks of older weights could serve new requests."
+                )
+            else:
+                time.sleep(0.05)
 
     def generate(self, prompt_ids, should_stop, seed):
         """One completion per row, in row order, row ``i`` sampled from the stream of ``row_seeds(seed, ...)[i]`` as
         in colocate mode: one request per run of adjacent rows with the same prompt (see
         :func:`completion_requests`), sent together so that the server batches them. When ``should_stop()`` turns
         true the batch ends (:class:`GenerationStopped`) within :data:`_STOP_POLL_SECONDS`; requests already sent
-        run to their end on the server (at most ``vllm_request_timeout``) and their answers are dropped."""
+        run to their end on the server (at most ``vllm_request_timeout``) and their answers are dropped.
+
+        With ``in_flight_weight_updates``, through vLLM's streaming token route, newer versions loaded mid-batch
+        (:mod:`.server_in_flight`), each token's version in ``token_versions``."""
+        if self._in_flight is not None:
+            return generate_in_flight(self, completion_requests(prompt_ids, seed), should_stop)
         self._check_label("before")
         futures = [
             self._pool.submit(self._complete, prompt, n, request_seed)

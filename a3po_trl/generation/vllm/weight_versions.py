@@ -44,12 +44,18 @@ def token_labels(output) -> list[str] | None:
         raise WeightVersionMismatch(
             f"vLLM reported no weight version for request {output.request_id}; the backend labels every load."
         )
+    return labels_from_spans([(span.version, span.start, span.end) for span in spans or []], count, output.request_id)
+
+
+def labels_from_spans(spans, count: int, request: str) -> list[str]:
+    """The label of each of ``count`` tokens from vLLM's spans ``(label, start, end)`` of request ``request``; raises
+    :class:`WeightVersionMismatch` unless they cover every token once."""
     labels: list[str | None] = [None] * count
-    for span in spans or []:
-        labels[span.start : span.end] = [span.version] * (span.end - span.start)
+    for label, start, end in spans:
+        labels[start:end] = [label] * (end - start)
     if None in labels or len(labels) != count:
         raise WeightVersionMismatch(
-            f"vLLM's weight version spans of request {output.request_id} ({spans}) do not cover its {count} tokens."
+            f"vLLM's weight version spans of request {request} ({list(spans)}) do not cover its {count} tokens."
         )
     return labels
 
@@ -98,3 +104,36 @@ def check_server_version(reported: str, version: int, when: str) -> None:
             "another client changed its weights (a server shared by several training runs, or by processes that do "
             "not agree on its version), or a load did not finish."
         )
+
+
+def check_server_token_versions(labels: list[list[str]], loaded: list[int], loads) -> list[list[int]]:
+    """The version of each token of a server batch's completions from the server's labels ``labels`` (one row per
+    completion), after checking them against what the backend loaded: every label is one of the versions ``loaded``
+    during the batch (in load order), a completion's labels never go back to an older version, and for each in-flight
+    load ``(replaced, received)`` the first ``received[i]`` tokens of completion ``i`` (those the backend had received
+    when it paused the server to load) were sampled by ``replaced`` or older. Raises :class:`WeightVersionMismatch`
+    otherwise (weights another client put on the server, or a load that did not pause it)."""
+    known = {version_label(v): v for v in loaded}
+    versions = []
+    for i, row in enumerate(labels):
+        strange = sorted({label for label in row if label not in known})
+        if strange:
+            raise WeightVersionMismatch(
+                f"The vLLM server sampled completion {i} with weights labelled {strange}, none of the versions this "
+                f"backend loaded during the batch ({sorted(known)}): another client changed its weights."
+            )
+        row_versions = [known[label] for label in row]
+        if any(later < earlier for earlier, later in zip(row_versions, row_versions[1:])):
+            raise WeightVersionMismatch(
+                f"The vLLM server's labels of completion {i} go back to an older version ({row}): its weights were "
+                "changed outside this backend."
+            )
+        for replaced, received in loads:
+            early = row_versions[: received[i]]
+            if any(v > replaced for v in early):
+                raise WeightVersionMismatch(
+                    f"The vLLM server labelled tokens of completion {i} received before version {replaced} was "
+                    f"replaced with a newer version ({row[: received[i]]}): a load reached the server without a pause."
+                )
+        versions.append(row_versions)
+    return versions
