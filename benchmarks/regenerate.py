@@ -34,7 +34,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 NOT_REGENERABLE = {
     "proximal_map/summary.md": "its 768 runs' records were never committed; rerun: python -m benchmarks.proximal_map "
     "--cells-per-launch 16",
-    "approximation/summary.md": "its 4 runs' records were never committed; rerun: python -m benchmarks.approximation",
 }
 #: The proximal map's families, when read back from its summary rather than from its runs.
 FROM_SUMMARY = (
