@@ -13,7 +13,7 @@ What is regenerated, and from what:
 - ``compare-*.md`` and ``profile-*.md`` from their JSON reports (``benchmarks/compare``), ``backends-*.md`` from theirs
   (``benchmarks/backends.py``).
 
-Not regenerable, and why (:data:`NOT_REGENERABLE`): the summaries whose runs were never committed (to be rerun). A
+Not regenerable, and why (:data:`NOT_REGENERABLE`): the summaries whose runs were never committed (none today). A
 study being rerun (:data:`RERUNS`) keeps its old summary until every run of the rerun is committed: a part of the
 rerun (the runner resumes it) never replaces a whole summary.
 """
@@ -31,14 +31,11 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: Summaries that cannot be regenerated while their study's runs/ is empty, with why.
-NOT_REGENERABLE = {
-    "proximal_map/summary.md": "its 768 runs' records were never committed; rerun: python -m benchmarks.proximal_map "
-    "--cells-per-launch 16",
-}
+NOT_REGENERABLE: dict[str, str] = {}
 #: The proximal map's families, when read back from its summary rather than from its runs.
 FROM_SUMMARY = (
-    "read back from the committed summary.json's means and 95% intervals: the 768 runs behind it were never "
-    "committed and are to be rerun (python -m benchmarks.proximal_map --cells-per-launch 16)"
+    "read back from summary.json's means and 95% intervals: the runs behind it are not in its runs/ folder "
+    "(python -m benchmarks.proximal_map --cells-per-launch 16 makes them)"
 )
 
 
