@@ -237,7 +237,7 @@ class FakeLLM:
             self.loaded = {name: tensor.clone() for name, tensor in kwargs["weights_iterator"]}
 
     def reset_prefix_cache(self):
-        pass
+        return True  # as vLLM's, when no request holds a block
 
 
 def test_the_colocated_engine_waits_for_its_loads_before_the_staging_buffer_is_released(monkeypatch, tokenizer):

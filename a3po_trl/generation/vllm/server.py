@@ -52,6 +52,7 @@ from ...devices import explicit_device
 from ...types import GenerationStopped
 from ..backend import GenerationBackend
 from ..weights import VersionedWeights, as_parameter_gather, vllm_weight_name
+from .errors import VLLMServerError
 from .sampling import VLLMSamplingSettings, completions_from_token_logprobs, row_seeds
 from .server_in_flight import (
     IN_FLIGHT_SERVER_LORA_REFUSAL,
@@ -94,10 +95,6 @@ def completion_requests(prompt_ids: list[list[int]], seed: int | None) -> list[t
                 continue
         planned.append((list(ids), 1, row_seed))
     return planned
-
-
-class VLLMServerError(RuntimeError):
-    """The vLLM server could not be reached, answered with an error, or did not answer in time."""
 
 
 class VLLMServerBackend(GenerationBackend):

@@ -43,6 +43,7 @@ from concurrent.futures import FIRST_EXCEPTION, wait
 
 from ...timeline import record_in_batch_span
 from ...types import GenerationStopped
+from .errors import VLLMServerError
 from .sampling import completions_from_token_logprobs
 from .weight_versions import check_server_token_versions, labels_from_spans
 
@@ -69,8 +70,6 @@ IN_FLIGHT_SHARED_SERVER_REFUSAL = (
 def check_in_flight_server(backend) -> None:
     """Refuse, naming the server flag to add, a server without the routes in-flight loads need (see the module
     doc). ``backend``: the :class:`~.server.VLLMServerBackend`, with its server reachable."""
-    from .server import VLLMServerError
-
     prefix = f"in_flight_weight_updates=True with the vLLM server at {backend.base_url}"
     if not backend._labelled:
         raise VLLMServerError(
@@ -98,9 +97,8 @@ def _status(backend, method: str, path: str, **kwargs) -> int:
             method, backend.base_url + path, timeout=backend.request_timeout, **kwargs
         ).status_code
     except backend._requests.exceptions.RequestException as error:
-        from .server import VLLMServerError
-
-        raise VLLMServerError(f"The vLLM server at {backend.base_url}{path} cannot be reached ({error}).") from error
+        message = f"The vLLM server at {backend.base_url}{path} cannot be reached ({error})."
+        raise VLLMServerError(message) from error
 
 
 class _Completion:
@@ -137,8 +135,6 @@ def stream_request(backend, streams: BatchStreams, index: int, prompt: list[int]
     """Send request ``index`` of the batch (``n`` completions of ``prompt``, child ``j`` from the stream of ``seed +
     j``) to ``/inference/v1/generate`` and read its stream into ``streams``. Raises :class:`~.server.VLLMServerError`
     on an error or after ``vllm_request_timeout`` seconds; returns early once ``streams.stopped`` is set."""
-    from .server import VLLMServerError
-
     s = backend.sampling
     sampling = {
         "n": n,
@@ -185,8 +181,6 @@ def stream_request(backend, streams: BatchStreams, index: int, prompt: list[int]
 
 
 def _read_choice(completion: _Completion, choice: dict, url: str) -> None:
-    from .server import VLLMServerError
-
     tokens = choice.get("token_ids") or []
     if tokens:
         content = (choice.get("logprobs") or {}).get("content")
