@@ -14,6 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+import torch.distributed  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from helpers import StandInTrainer  # noqa: E402
 
@@ -93,6 +94,10 @@ def main():
     report["checkpoints"] = sorted(name for name in os.listdir(run_dir) if name.startswith("checkpoint-"))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as file:
         json.dump(report, file, indent=1)
+    # tear the gloo group down before the interpreter exits: a group left to process exit can abort it ("terminate
+    # called without an active exception", seen once in a full-suite run)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
