@@ -4,7 +4,7 @@ import os
 import time
 
 
-def start_server(model_dir, port, log_path):
+def start_server(model_dir, port, log_path, max_model_len: int = 256):
     """`trl vllm-serve` as a user starts it, plus what the trainer's CPU paths need (see docs/VLLM.md)."""
     import shutil
     import subprocess
@@ -13,7 +13,7 @@ def start_server(model_dir, port, log_path):
     trl = shutil.which("trl", path=os.path.dirname(sys.executable))
     command = [
         trl, "vllm-serve", "--model", str(model_dir), "--dtype", "float32", "--enforce_eager", "true",
-        "--host", "127.0.0.1", "--port", str(port), "--max_model_len", "256", "--skip-tokenizer-init",
+        "--host", "127.0.0.1", "--port", str(port), "--max_model_len", str(max_model_len), "--skip-tokenizer-init",
         "--worker-extension-cls", "a3po_trl.generation.vllm.worker.A3POWorkerExtension",
         "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--max-cpu-loras", "8",
     ]  # fmt: skip

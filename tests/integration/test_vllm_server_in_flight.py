@@ -39,14 +39,15 @@ COMMON = {
 
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory, tokenizer):
-    """One `trl vllm-serve` server for the module (it adds --enable-scale-out and dev mode), on a saved tiny model."""
+    """One `trl vllm-serve` server for the module (it adds --enable-scale-out and dev mode), on a saved tiny model,
+    with room for prompts longer than a KV-cache block and long completions after them."""
     import signal
 
     root = tmp_path_factory.mktemp("vllm-server-in-flight")
     make_vllm_model(tokenizer).save_pretrained(root / "model")
     port = free_port()
     log_path = root / "server.log"
-    process = start_server(root / "model", port, log_path)
+    process = start_server(root / "model", port, log_path, max_model_len=512)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(process, url, log_path)
@@ -73,19 +74,67 @@ def make_trainer(tokenizer, tmp_path, server, **overrides):
     )
 
 
-class StreamsRecorder:
-    """Keeps the :class:`~server_in_flight.BatchStreams` of every batch (what the server streamed, labels included)."""
+#: Long completions, each sampled to its full length (``ignore_eos``): none can end between the moment the last
+#: completion of a batch streams its first token and the moment the server, paused from that stream, stops scheduling.
+LONG_COMPLETIONS = {
+    "max_completion_length": 160,
+    "generation_kwargs": {"ignore_eos": True},
+}
 
-    def __init__(self, monkeypatch):
+
+class PauseWhenEveryCompletionStarted:
+    """Pauses the server (mode ``keep``) from the stream that reads the last first token of each batch, and keeps every
+    batch's :class:`~server_in_flight.BatchStreams` (``batches``). From the pause the server samples nothing until it
+    is resumed, so what a test does at the generator's next look at the streams (``take``) happens mid-batch whatever
+    the machine's speed: a function of the tokens streamed, not of timing (the generator polls every 10 ms, and a
+    tiny model on a quiet machine samples a short completion in less)."""
+
+    def __init__(self, url: str, setattr_fn):
+        self.url = url
+        self.armed = True  # pause the batches started from now (a test disarms it for batches that must run through)
         self.batches = []
-        original = server_in_flight.BatchStreams
+        self.pending = None  # the streams whose pause no look has taken yet
+        self._lock = threading.Lock()
+        read_choice, batch_streams = server_in_flight._read_choice, server_in_flight.BatchStreams
 
-        def recording(planned):
-            streams = original(planned)
+        def new_batch(planned):
+            streams = batch_streams(planned)
             self.batches.append(streams)
             return streams
 
-        monkeypatch.setattr(server_in_flight, "BatchStreams", recording)
+        def read_and_pause(completion, choice, url):
+            read_choice(completion, choice, url)
+            streams = self.batches[-1]
+            with self._lock:
+                if self.armed and not getattr(streams, "paused_once", False) and streams.all_started():
+                    streams.paused_once = True
+                    post(f"{self.url}/pause", params={"mode": "keep", "clear_cache": "false"})
+                    self.pending = streams
+
+        setattr_fn(server_in_flight, "BatchStreams", new_batch)
+        setattr_fn(server_in_flight, "_read_choice", read_and_pause)
+
+    def take(self, streams) -> bool:
+        """Whether the server is paused for ``streams`` and no look has taken that pause yet (it is taken now)."""
+        with self._lock:
+            if self.pending is not streams:
+                return False
+            self.pending = None
+            return True
+
+    def resume(self) -> None:
+        post(f"{self.url}/resume")
+
+    def check_taken(self, streams) -> None:
+        """After a batch: fail (the server resumed) where it ended while paused, before any look took the pause."""
+        if self.take(streams):
+            self.resume()
+            raise AssertionError("the batch ended before the pause landed: its completions are too short")
+
+
+def post(url: str, **kwargs) -> None:
+    response = requests.post(url, timeout=60, **kwargs)
+    assert response.status_code == 200, f"{url}: {response.status_code} {response.text[:200]}"
 
 
 def server_labels(completion) -> list[int]:
@@ -95,9 +144,9 @@ def server_labels(completion) -> list[int]:
 def test_a_version_published_mid_batch_is_loaded_into_the_server_with_each_tokens_label_and_logprob(
     tokenizer, tmp_path, vllm_server, monkeypatch
 ):
-    trainer = make_trainer(tokenizer, tmp_path, vllm_server, max_completion_length=32)
+    trainer = make_trainer(tokenizer, tmp_path, vllm_server, **LONG_COMPLETIONS)
     backend = trainer._build_backend()
-    recorder = StreamsRecorder(monkeypatch)
+    pause = PauseWhenEveryCompletionStarted(vllm_server["url"], monkeypatch.setattr)
     try:
         old = plain_copy(trainer)
         new = moved(old)
@@ -107,20 +156,26 @@ def test_a_version_published_mid_batch_is_loaded_into_the_server_with_each_token
         maybe_load = backend._in_flight.maybe_load
         published = []
 
-        def publish_once_streaming(streams, timings, loads):
-            # deterministic: the new version is published once every completion has streamed its first token
-            if not published and streams.all_started():
+        def publish_while_paused(streams, timings, loads):
+            # the new version is published while the server is paused, once every completion has streamed a token
+            if not pause.take(streams):
+                return maybe_load(streams, timings, loads)
+            try:
                 published.append(streams.received())
                 backend.publish(new, 1)
-            return maybe_load(streams, timings, loads)
+                return maybe_load(streams, timings, loads)
+            finally:
+                pause.resume()
 
-        backend._in_flight.maybe_load = publish_once_streaming
+        backend._in_flight.maybe_load = publish_while_paused
         out = backend.generate(prompts, None, seed=3)
         del backend._in_flight.maybe_load
+        streams = pause.batches[-1]
+        pause.check_taken(streams)
+        pause.armed = False
 
         assert backend.version == 1
         assert out.timings["in_flight_weight_loads"] == 1 and out.timings["in_flight_weight_load"] > 0
-        streams = recorder.batches[-1]
         switched = 0
         for completion, ids, versions, logps, before in zip(
             streams.completions, out.completion_ids, out.token_versions, out.logps, published[0]
@@ -158,65 +213,48 @@ def test_a_version_published_mid_batch_is_loaded_into_the_server_with_each_token
         backend.close()
 
 
-def test_weights_put_on_the_server_behind_the_backends_back_fail_the_batch(tokenizer, tmp_path, vllm_server):
+def test_weights_put_on_the_server_behind_the_backends_back_fail_the_batch(
+    tokenizer, tmp_path, vllm_server, monkeypatch
+):
     """A label the backend did not load, mid-batch, fails the batch instead of training with the wrong policy."""
     from a3po_trl.generation.vllm.weight_versions import WeightVersionMismatch
 
-    trainer = make_trainer(tokenizer, tmp_path, vllm_server, max_completion_length=32)
+    trainer = make_trainer(tokenizer, tmp_path, vllm_server, **LONG_COMPLETIONS)
     backend = trainer._build_backend()
     url = vllm_server["url"]
+    pause = PauseWhenEveryCompletionStarted(url, monkeypatch.setattr)
     try:
         backend.publish(plain_copy(trainer), 0)
         backend.refresh()
         maybe_load = backend._in_flight.maybe_load
-        done = []
 
-        def relabel_once(streams, timings, loads):
-            if not done and streams.all_started():
-                done.append(True)
-                requests.post(f"{url}/pause", params={"mode": "keep", "clear_cache": "false"}, timeout=30)
-                requests.post(f"{url}/update_weight_version", json={"new_version": "elsewhere"}, timeout=30)
-                requests.post(f"{url}/resume", timeout=30)
+        def relabel_while_paused(streams, timings, loads):
+            if pause.take(streams):
+                try:
+                    post(f"{url}/update_weight_version", json={"new_version": "elsewhere"})
+                finally:
+                    pause.resume()
             return maybe_load(streams, timings, loads)
 
-        backend._in_flight.maybe_load = relabel_once
+        backend._in_flight.maybe_load = relabel_while_paused
         with pytest.raises(WeightVersionMismatch, match="'elsewhere'"):
             backend.generate(long_prompts(tokenizer, 2), None, seed=1)
+        assert pause.pending is None  # the relabel happened mid-batch
     finally:
         backend.close()
 
 
 class ServerLockstep(Lockstep):
     """:class:`helpers.Lockstep` for the server: the moment every completion of a batch has streamed a token, the
-    stream that saw it pauses the server (``keep``; the tiny model would otherwise finish the batch before the
-    generator looks); the generator's next look counts as its third forward (the trainer may go on) and, in a batch
-    ``b >= lag``, waits for the next version, which the backend then loads before the server resumes. So batch
-    ``b >= lag`` samples the tokens streamed before the pause with version ``b - lag`` and the rest with
-    ``b - lag + 1``. So that a batch switches once only, the trainer also takes batch ``j`` only once the generator has
-    finished batch ``j + 1`` (as ``EngineLockstep`` of the colocate tests)."""
+    stream that saw it pauses the server (:class:`PauseWhenEveryCompletionStarted`); the generator's next look counts
+    as its third forward (the trainer may go on) and, in a batch ``b >= lag``, waits for the next version, which the
+    backend then loads before the server resumes. So batch ``b >= lag`` samples the tokens streamed before the pause
+    with version ``b - lag`` and the rest with ``b - lag + 1``. So that a batch switches once only, the trainer also
+    takes batch ``j`` only once the generator has finished batch ``j + 1`` (as ``EngineLockstep`` of the colocate
+    tests)."""
 
     def __init__(self, trainer, setattr_fn, lag, num_batches, url):
-        self.url = url
-        self._paused = None  # the BatchStreams whose server pause is pending
-        self._lock = threading.Lock()
-        read_choice = server_in_flight._read_choice
-        batch_streams = server_in_flight.BatchStreams
-
-        def new_batch(planned):
-            self._streams = streams = batch_streams(planned)
-            return streams
-
-        def read_and_pause(completion, choice, url):
-            read_choice(completion, choice, url)
-            streams = self._streams
-            with self._lock:
-                if not getattr(streams, "paused_once", False) and streams.all_started():
-                    streams.paused_once = True
-                    requests.post(f"{self.url}/pause", params={"mode": "keep", "clear_cache": "false"}, timeout=60)
-                    self._paused = streams
-
-        setattr_fn(server_in_flight, "BatchStreams", new_batch)
-        setattr_fn(server_in_flight, "_read_choice", read_and_pause)
+        self.pause = PauseWhenEveryCompletionStarted(url, setattr_fn)
         self.finished = [threading.Event() for _ in range(num_batches)]
         super().__init__(trainer, setattr_fn, lag, num_batches)
         gated = a3po_trl.trainer.make_training_batch
@@ -233,21 +271,21 @@ class ServerLockstep(Lockstep):
         maybe_load = backend._in_flight.maybe_load
 
         def gated(streams, timings, loads):
-            if self._paused is not streams:
+            if not self.pause.take(streams):
                 return maybe_load(streams, timings, loads)
-            self._paused = None
             try:
                 self._forwards = SWITCH_AFTER - 1
                 self._generator_forward()
                 return maybe_load(streams, timings, loads)
             finally:
-                requests.post(f"{self.url}/resume", timeout=60)
+                self.pause.resume()
 
         backend._in_flight.maybe_load = gated
         generate = backend.generate
 
         def generate_and_tell(*args, **kwargs):
             generated = generate(*args, **kwargs)
+            self.pause.check_taken(self.pause.batches[-1])
             self.finished[self._batch].set()
             return generated
 
@@ -257,7 +295,8 @@ class ServerLockstep(Lockstep):
 def test_training_against_the_server_with_in_flight_loads_tags_every_token_and_logs_the_metrics(
     tokenizer, tmp_path, vllm_server, monkeypatch
 ):
-    trainer = make_trainer(tokenizer, tmp_path, vllm_server, max_steps=4, max_staleness=2, max_completion_length=24)
+    settings = {"max_completion_length": 96, "generation_kwargs": {"ignore_eos": True}}
+    trainer = make_trainer(tokenizer, tmp_path, vllm_server, max_steps=4, max_staleness=2, **settings)
     lockstep = ServerLockstep(trainer, monkeypatch.setattr, lag=2, num_batches=4, url=vllm_server["url"])
     try:
         trainer.train()
