@@ -15,7 +15,7 @@ import pytest
 import torch
 from tiny import make_model
 
-from a3po_trl.generation.vllm.sampling import VLLMSamplingSettings, row_seeds
+from a3po_trl.generation.vllm.sampling import VLLMSamplingSettings, row_seeds, sampling_fields
 from a3po_trl.generation.vllm.weight_loading import base_checkpoint_tensors
 
 # ---- server: one random stream per row ------------------------------------------------------------------------------
@@ -97,6 +97,34 @@ def test_server_samples_every_row_from_its_own_stream_the_colocate_backends(serv
     out = server_backend.generate(prompts, None, seed=None)
     assert len(out.completion_ids) == len(prompts)
     assert all("seed" not in payload for payload in server_backend._post.payloads)  # unseeded: no stream is shared
+
+
+def test_every_vllm_path_samples_with_grpo_configs_fields_and_generation_kwargs_over_them(server_backend):
+    """The colocate engine, the server's /v1/completions and its streaming route all take one set of sampling fields:
+    vLLM's spellings of GRPOConfig's neutral values, the seed only where given, ``generation_kwargs`` last."""
+    settings = VLLMSamplingSettings(
+        max_tokens=7, temperature=0.7, top_k=0, min_p=None, stop_token_ids=[2], generation_kwargs={"max_tokens": 9}
+    )
+    fields = sampling_fields(settings, n=3, seed=5)
+    assert fields == {
+        "n": 3,
+        "temperature": 0.7,
+        "top_p": 1.0,
+        "top_k": -1,  # vLLM's "no top-k"
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "max_tokens": 9,  # generation_kwargs win
+        "logprobs": 0,
+        "stop_token_ids": [2],
+        "seed": 5,
+    }
+    assert "seed" not in sampling_fields(settings, n=1, seed=None)
+    server_backend._post.payloads.clear()
+    server_backend.generate([[1, 2, 3]], None, seed=11)
+    (payload,) = server_backend._post.payloads
+    assert {k: payload[k] for k in sampling_fields(server_backend.sampling, 1, 11)} == sampling_fields(
+        server_backend.sampling, 1, 11
+    )
 
 
 def test_a_stopping_trainer_ends_a_server_batch_without_waiting_for_its_requests(server_backend):

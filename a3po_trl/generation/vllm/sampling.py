@@ -28,15 +28,12 @@ class VLLMSamplingSettings:
     """``GRPOConfig.generation_kwargs``, passed to ``SamplingParams`` as they are."""
 
 
-def sampling_params(settings: VLLMSamplingSettings, seed: int | None):
-    """One ``SamplingParams`` for one prompt: one completion, the sampled token's log-prob (``logprobs=0``, which
-    the engine reports as ``processed_logprobs``: with the neutral truncation and penalties that
-    :func:`~a3po_trl.validation.check_vllm_sampling` enforces, ``log softmax(logits / T)``, what the
-    trainer's forward scores), no detokenizing."""
-    from vllm import SamplingParams
-
-    kwargs = dict(
-        n=1,
+def sampling_fields(settings: VLLMSamplingSettings, n: int = 1, seed: int | None = None) -> dict:
+    """The fields of vLLM's ``SamplingParams`` that GRPOTrainer's sampling settings give, ``generation_kwargs`` over
+    them: ``n`` completions, child ``j`` from the stream of ``seed + j`` (``seed`` only where given), the sampled
+    token's log-prob (``logprobs=0``). The in-process engine takes them as they are, the server's routes as JSON."""
+    fields = dict(
+        n=n,
         temperature=settings.temperature,
         top_p=settings.top_p,
         top_k=settings.top_k if settings.top_k else -1,
@@ -45,11 +42,20 @@ def sampling_params(settings: VLLMSamplingSettings, seed: int | None):
         max_tokens=settings.max_tokens,
         logprobs=0,
         stop_token_ids=list(settings.stop_token_ids),
-        detokenize=False,
-        seed=seed,
+        **({"seed": seed} if seed is not None else {}),
     )
-    kwargs.update(settings.generation_kwargs or {})
-    return SamplingParams(**kwargs)
+    fields.update(settings.generation_kwargs or {})
+    return fields
+
+
+def sampling_params(settings: VLLMSamplingSettings, seed: int | None):
+    """One ``SamplingParams`` for one prompt: one completion, the sampled token's log-prob (``logprobs=0``, which
+    the engine reports as ``processed_logprobs``: with the neutral truncation and penalties that
+    :func:`~a3po_trl.validation.check_vllm_sampling` enforces, ``log softmax(logits / T)``, what the
+    trainer's forward scores), no detokenizing."""
+    from vllm import SamplingParams
+
+    return SamplingParams(**{"detokenize": False, **sampling_fields(settings, 1, seed)})
 
 
 def row_seeds(seed: int | None, count: int) -> list[int | None]:

@@ -53,7 +53,7 @@ from ...types import GenerationStopped
 from ..backend import GenerationBackend
 from ..weights import VersionedWeights, as_parameter_gather, vllm_weight_name
 from .errors import VLLMServerError
-from .sampling import VLLMSamplingSettings, completions_from_token_logprobs, row_seeds
+from .sampling import VLLMSamplingSettings, completions_from_token_logprobs, row_seeds, sampling_fields
 from .server_in_flight import (
     IN_FLIGHT_SERVER_LORA_REFUSAL,
     IN_FLIGHT_SHARED_SERVER_REFUSAL,
@@ -444,23 +444,12 @@ class VLLMServerBackend(GenerationBackend):
 
     def _complete(self, prompt: list[int], n: int, seed: int | None) -> list[tuple[list[int], list[float]]]:
         """``n`` completions of one prompt, child ``j`` from the stream of ``seed + j`` (vLLM's derivation)."""
-        s = self.sampling
         payload = {
             "model": self._adapter[0] if self._adapter is not None else self.model,
             "prompt": prompt,
-            "n": n,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "top_k": s.top_k if s.top_k else -1,
-            "min_p": s.min_p or 0.0,
-            "repetition_penalty": s.repetition_penalty,
-            "max_tokens": s.max_tokens,
-            "logprobs": 0,
-            "stop_token_ids": list(s.stop_token_ids),
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
-            **({"seed": seed} if seed is not None else {}),
-            **(s.generation_kwargs or {}),
+            **sampling_fields(self.sampling, n, seed),
         }
         choices = self._post("/v1/completions", self.request_timeout, json=payload)["choices"]
         choices = sorted(choices, key=lambda choice: choice["index"])  # child j is choice j

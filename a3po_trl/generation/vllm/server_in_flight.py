@@ -44,7 +44,7 @@ from concurrent.futures import FIRST_EXCEPTION, wait
 from ...timeline import record_in_batch_span
 from ...types import GenerationStopped
 from .errors import VLLMServerError
-from .sampling import completions_from_token_logprobs
+from .sampling import completions_from_token_logprobs, sampling_fields
 from .weight_versions import check_server_token_versions, labels_from_spans
 
 #: Seconds between looks at the streams (for a newer version to load, and ``should_stop``) while a batch runs.
@@ -135,21 +135,7 @@ def stream_request(backend, streams: BatchStreams, index: int, prompt: list[int]
     """Send request ``index`` of the batch (``n`` completions of ``prompt``, child ``j`` from the stream of ``seed +
     j``) to ``/inference/v1/generate`` and read its stream into ``streams``. Raises :class:`~.server.VLLMServerError`
     on an error or after ``vllm_request_timeout`` seconds; returns early once ``streams.stopped`` is set."""
-    s = backend.sampling
-    sampling = {
-        "n": n,
-        "temperature": s.temperature,
-        "top_p": s.top_p,
-        "top_k": s.top_k if s.top_k else -1,
-        "min_p": s.min_p or 0.0,
-        "repetition_penalty": s.repetition_penalty,
-        "max_tokens": s.max_tokens,
-        "logprobs": 0,
-        "stop_token_ids": list(s.stop_token_ids),
-        "detokenize": False,
-        **({"seed": seed} if seed is not None else {}),
-        **(s.generation_kwargs or {}),
-    }
+    sampling = {"detokenize": False, **sampling_fields(backend.sampling, n, seed)}
     payload = {"model": backend.model, "token_ids": list(prompt), "sampling_params": sampling, "stream": True}
     url, timeout = f"{backend.base_url}/inference/v1/generate", backend.request_timeout
     deadline = time.monotonic() + timeout
