@@ -39,13 +39,18 @@ CONFIGS = ("trl", "recompute-s2", "loglinear-s1", "loglinear-s2", "loglinear-s4"
 
 def _parser() -> argparse.ArgumentParser:
     parser = study_parser(__doc__, configs=CONFIGS, seeds=(42, 43, 44), out=HERE / "results" / "time-to-accuracy")
+    add_run_arguments(parser)
+    return parser
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of one run (:func:`_run_one`), for this study and the studies that reuse its runs."""
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--eval-problems", type=int, default=100, help="fixed subset evaluated during training")
     parser.add_argument("--held-out", type=int, default=200, help="held-out problems before/after")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--quick", action="store_true", help="4 steps, 8 problems, 16 tokens (a smoke run)")
-    return parser
 
 
 #: The demo's training settings that every configuration shares (:func:`a3po_trl.tasks.demo_settings.demo_defaults`).
@@ -94,8 +99,11 @@ def _data(options, system_prompt):
     return train, held_out, held_out.select(range(min(options.eval_problems, len(held_out))))
 
 
-def _run_one(options, name: str, seed: int) -> dict:
-    """One (configuration, seed) run, in this process (the runner adds when it ran and the machine's load)."""
+def _run_one(options, name: str, seed: int, overrides: dict | None = None, run_name: str | None = None) -> dict:
+    """One (configuration, seed) run, in this process (the runner adds when it ran and the machine's load).
+    Another study's arm: ``overrides`` (``AsyncA3POConfig`` fields set on top of configuration ``name``'s) under
+    ``run_name`` (its work folder and the record's ``config``)."""
+    run_name = run_name or name
     import torch
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
     from transformers import TrainerCallback
@@ -106,7 +114,7 @@ def _run_one(options, name: str, seed: int) -> dict:
 
     settings = _settings(options)
     train, held_out, subset = _data(options, settings["system_prompt"])
-    common = dict(output_dir=str(Path(options.out) / "work" / f"{name}@{seed}"), seed=seed, **settings["training"])
+    common = dict(output_dir=str(Path(options.out) / "work" / f"{run_name}@{seed}"), seed=seed, **settings["training"])
     if name == "trl":
         args, trainer_class = GRPOConfig(**common), GRPOTrainer
     else:
@@ -117,6 +125,7 @@ def _run_one(options, name: str, seed: int) -> dict:
             max_staleness=staleness,
             reproducible_generation=True,
             **(settings["threads"] if not _cuda() else {}),
+            **(overrides or {}),
         )
         trainer_class = AsyncA3POTrainer
     trainer = demo_trainer(trainer_class, options.model, args, train)
@@ -144,7 +153,7 @@ def _run_one(options, name: str, seed: int) -> dict:
                 weights = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
                 clock["snapshot"] += time.perf_counter() - begin
                 snapshots.append((state.global_step, training_seconds, weights))
-                print(f"[tta] {name}@{seed} step {state.global_step}: {training_seconds / 60:.1f} min", flush=True)
+                print(f"[tta] {run_name}@{seed} step {state.global_step}: {training_seconds / 60:.1f} min", flush=True)
 
     before = accuracy(held_out)
     curve = [{"step": 0, "seconds": 0.0, "accuracy": accuracy(subset)["accuracy"]}]
@@ -160,11 +169,11 @@ def _run_one(options, name: str, seed: int) -> dict:
         adapter_norm = torch.sqrt(sum((v.detach().double() ** 2).sum() for v in loaded)).item()
         result = accuracy(subset)
         curve.append({"step": step, "seconds": seconds, "accuracy": result["accuracy"], "adapter_norm": adapter_norm})
-        print(f"[tta] {name}@{seed} step {step}: {result['accuracy']:.1%} on the subset", flush=True)
+        print(f"[tta] {run_name}@{seed} step {step}: {result['accuracy']:.1%} on the subset", flush=True)
     steps = [h["step_time"] for h in trainer.state.log_history if "step_time" in h]
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     return {
-        "config": name,
+        "config": run_name,
         "seed": seed,
         "steps": options.steps,
         "before": before["accuracy"],
