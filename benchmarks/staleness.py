@@ -453,6 +453,15 @@ def _comparison_lines(comparisons: list[dict]) -> list[str]:
     return lines
 
 
+def _missing_line(out: Path, missing: list[str]) -> str:
+    """The runs of the plan not made: still to run, or, where the study was retired (``<out>/RETIRED.md`` says when
+    and why), never to be run."""
+    listed = ", ".join(missing) if missing else "none"
+    if (out / "RETIRED.md").exists():
+        return f"Not run: {listed} (the study is retired, [RETIRED.md](RETIRED.md) says why)."
+    return f"Missing runs: {listed}."
+
+
 def summarize(store: RunStore, options, names, seeds) -> str:
     runs: dict[str, list[dict]] = {}
     for cell, run in store.records().items():
@@ -531,11 +540,11 @@ def summarize(store: RunStore, options, names, seeds) -> str:
             "",
             *(["", *_comparison_lines(comparisons)] if comparisons else []),
             "",
-            f"Missing runs: {', '.join(missing) if missing else 'none'}.",
+            _missing_line(Path(options.out), missing),
         ]
     )
     out = Path(options.out)
-    report = {"configs": summary, "paired": comparisons, "missing": missing}
+    report = {"configs": summary, "paired": comparisons, "missing": missing, "retired": (out / "RETIRED.md").exists()}
     (out / "summary.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "summary.md").write_text(table + "\n")
     plot_study(runs, names, out / "staleness.png", _parse_config)
