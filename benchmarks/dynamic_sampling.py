@@ -39,7 +39,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from benchmarks.common.intervals import equivalence, p_value, paired_difference, paired_values
+from benchmarks.common.paired_arms import compare, decide, equal_wall_clock, logged, table
 from benchmarks.common.runner import RunStore, plan, run_study, study_parser
 
 HERE = Path(__file__).resolve().parent
@@ -69,86 +69,48 @@ def _run_one(options, arm: str, seed: int) -> dict:
     return record | {"arm": arm, "base_config": BASE_CONFIG, "overrides": ARMS[arm]}
 
 
-def _logged(run: dict, key: str) -> list[float]:
-    return [h[key] for h in run["training_log"] if key in h]
-
-
-def accuracy_within(run: dict, seconds: float) -> float:
-    """Subset accuracy at the run's last snapshot taken within ``seconds`` of training (step 0 counts as 0 s)."""
-    return [p for p in run["curve"] if p["seconds"] <= seconds + 1e-9][-1]["accuracy"]
-
-
 def run_outcomes(run: dict) -> dict:
     """Per run: the tested outcomes but the equal-wall-clock one (which needs its pair), and the described ones."""
     steps = run["steps"]
-    filtered = sum(_logged(run, "a3po/dynamic_sampling_filtered_groups"))
-    drawn = sum(_logged(run, "a3po/dynamic_sampling_prompts_per_step"))
-    zero_std = _logged(run, "frac_reward_zero_std")
+    filtered = sum(logged(run, "a3po/dynamic_sampling_filtered_groups"))
+    drawn = sum(logged(run, "a3po/dynamic_sampling_prompts_per_step"))
+    zero_std = logged(run, "frac_reward_zero_std")
     return {
         "held_out_after": run["after"],
-        "generation_seconds_per_step": sum(_logged(run, "async/generation_time")) / steps,
+        "generation_seconds_per_step": sum(logged(run, "async/generation_time")) / steps,
         "seconds_per_step": run["seconds_per_step"],
         "train_minutes": run["train_seconds"] / 60,
         "filtered_frac": filtered / drawn if drawn else 0.0,
-        "extra_batches_mean": statistics.fmean(_logged(run, "a3po/dynamic_sampling_extra_batches") or [0.0]),
-        "bound_reached_steps": int(sum(_logged(run, "a3po/dynamic_sampling_bound_reached"))),
+        "extra_batches_mean": statistics.fmean(logged(run, "a3po/dynamic_sampling_extra_batches") or [0.0]),
+        "bound_reached_steps": int(sum(logged(run, "a3po/dynamic_sampling_bound_reached"))),
         "frac_reward_zero_std_trained": statistics.fmean(zero_std) if zero_std else None,
     }
 
 
 def paired_outcomes(runs: dict[str, dict[int, dict]]) -> list[dict]:
-    """``runs``: ``{arm: {seed: record}}``. Each tested outcome, ``on - off`` paired by seed: mean, 95% interval,
-    t-test p (a family of one: no correction), TOST against its margin, and the verdict."""
+    """``runs``: ``{arm: {seed: record}}``. Each tested outcome, ``on - off`` paired by seed (each its own family:
+    :mod:`benchmarks.common.paired_arms`), against its pre-registered margin."""
     off, on = runs.get("off", {}), runs.get("on", {})
     seeds = sorted(off.keys() & on.keys())
     if not seeds:
         return []
     values = {arm: {seed: run_outcomes(runs[arm][seed]) for seed in seeds} for arm in ("off", "on")}
-    equal_time = {seed: min(off[seed]["train_seconds"], on[seed]["train_seconds"]) for seed in seeds}
-    outcomes = {
-        "held-out accuracy, equal steps": ({s: values[a][s]["held_out_after"] for s in seeds} for a in ("on", "off")),
-        "subset accuracy, equal wall-clock": (
-            {s: accuracy_within(runs[a][s], equal_time[s]) for s in seeds} for a in ("on", "off")
-        ),
-        "generation s per optimizer step": (
-            {s: values[a][s]["generation_seconds_per_step"] for s in seeds} for a in ("on", "off")
-        ),
-        "s per optimizer step": ({s: values[a][s]["seconds_per_step"] for s in seeds} for a in ("on", "off")),
+
+    def outcome(key):
+        return ({s: values["on"][s][key] for s in seeds}, {s: values["off"][s][key] for s in seeds})
+
+    compared = {
+        "held-out accuracy, equal steps": outcome("held_out_after"),
+        "subset accuracy, equal wall-clock": equal_wall_clock(on, off, seeds),
+        "generation s per optimizer step": outcome("generation_seconds_per_step"),
+        "s per optimizer step": outcome("seconds_per_step"),
     }
     rows = []
-    for name, (on_values, off_values) in outcomes.items():
-        differences = paired_values(on_values, off_values)
-        interval = paired_difference(on_values, off_values)
-        accuracy = "accuracy" in name
-        margin = ACCURACY_MARGIN if accuracy else TIME_MARGIN_FRACTION * statistics.fmean(off_values.values())
-        several = len(differences) > 1
-        test = equivalence(differences, margin) if several else None
-        p = p_value(differences) if several else None
-        verdict = (
-            "one seed"
-            if not several
-            else "difference"
-            if p <= 0.05
-            else "equivalent"
-            if test.equivalent
-            else "not resolved"
-        )
-        rows.append(
-            {
-                "outcome": name,
-                "seeds": seeds,
-                "off_mean": statistics.fmean(off_values.values()),
-                "on_mean": statistics.fmean(on_values.values()),
-                "mean": interval.mean,
-                "low": interval.low,
-                "high": interval.high,
-                "p": p,
-                "equivalence_margin": margin,
-                "equivalence_p": test.p if test else None,
-                "verdict": verdict,
-            }
-        )
-    return rows
+    for name, (on_values, off_values) in compared.items():
+        off_mean = sum(off_values.values()) / len(off_values)
+        margin = ACCURACY_MARGIN if "accuracy" in name else TIME_MARGIN_FRACTION * off_mean
+        rows.append(compare(name, on_values, off_values, margin, family=name))
+    return decide(rows)
 
 
 def summarize(store: RunStore, options) -> str:
@@ -193,23 +155,14 @@ def summarize(store: RunStore, options) -> str:
     if paired:
         lines += [
             "",
-            "Paired by seed, on - off: mean with its 95% t interval; each outcome its own family (no correction); "
+            "Paired by seed, on - off: mean with its 95% t interval; each outcome its own family (Holm p = p); "
             f"verdict: a difference where p <= 0.05, equivalent where two one-sided tests show it within the margin "
             f"(accuracy: +-{ACCURACY_MARGIN}; seconds: +-{TIME_MARGIN_FRACTION:.0%} of the off arm's mean; "
             "PREREGISTRATION.md), otherwise not resolved. Equal wall-clock: at the shorter of the seed's two training "
             "times, each arm's subset accuracy at its last snapshot within it.",
             "",
-            "| outcome | seeds | off | on | on - off [95% interval] | p | margin | TOST p | verdict |",
-            "|---|---|---:|---:|---|---:|---:|---:|---|",
+            *table(paired),
         ]
-        for row in paired:
-            p = "-" if row["p"] is None else f"{row['p']:.3f}"
-            tost = "-" if row["equivalence_p"] is None else f"{row['equivalence_p']:.3f}"
-            lines.append(
-                f"| {row['outcome']} | {','.join(map(str, row['seeds']))} | {row['off_mean']:.3f} | "
-                f"{row['on_mean']:.3f} | {row['mean']:+.3f} [{row['low']:+.3f}, {row['high']:+.3f}] | {p} | "
-                f"{row['equivalence_margin']:.3f} | {tost} | {row['verdict']} |"
-            )
     lines += ["", f"Missing runs: {', '.join(missing) if missing else 'none'}."]
     out = Path(options.out)
     report = {

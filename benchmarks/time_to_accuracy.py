@@ -101,9 +101,8 @@ def _data(options, system_prompt):
 
 def _run_one(options, name: str, seed: int, overrides: dict | None = None, run_name: str | None = None) -> dict:
     """One (configuration, seed) run, in this process (the runner adds when it ran and the machine's load).
-    Another study's arm: ``overrides`` (``AsyncA3POConfig`` fields set on top of configuration ``name``'s) under
-    ``run_name`` (its work folder and the record's ``config``)."""
-    run_name = run_name or name
+    Another study's arm: ``overrides`` (``AsyncA3POConfig`` fields, training settings included, set over those of
+    configuration ``name``) under ``run_name`` (its work folder and the record's ``config``)."""
     import torch
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
     from transformers import TrainerCallback
@@ -112,6 +111,7 @@ def _run_one(options, name: str, seed: int, overrides: dict | None = None, run_n
     from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
     from a3po_trl.tasks import evaluate_accuracy
 
+    run_name = run_name or name
     settings = _settings(options)
     train, held_out, subset = _data(options, settings["system_prompt"])
     common = dict(output_dir=str(Path(options.out) / "work" / f"{run_name}@{seed}"), seed=seed, **settings["training"])
@@ -119,17 +119,16 @@ def _run_one(options, name: str, seed: int, overrides: dict | None = None, run_n
         args, trainer_class = GRPOConfig(**common), GRPOTrainer
     else:
         method, staleness = _method_and_staleness(name)
-        args = AsyncA3POConfig(
-            **common,
+        fields = dict(
+            common,
             prox_logp_method=method,
             max_staleness=staleness,
             reproducible_generation=True,
             **(settings["threads"] if not _cuda() else {}),
-            **(overrides or {}),
         )
-        trainer_class = AsyncA3POTrainer
+        args, trainer_class = AsyncA3POConfig(**{**fields, **(overrides or {})}), AsyncA3POTrainer
     trainer = demo_trainer(trainer_class, options.model, args, train)
-    max_tokens = settings["training"]["max_completion_length"]
+    max_tokens = args.max_completion_length
 
     def accuracy(dataset):
         model = trainer.accelerator.unwrap_model(trainer.model)
@@ -175,14 +174,14 @@ def _run_one(options, name: str, seed: int, overrides: dict | None = None, run_n
     return {
         "config": run_name,
         "seed": seed,
-        "steps": options.steps,
+        "steps": args.max_steps,
         "before": before["accuracy"],
         "after": after["accuracy"],
         "before_correct": before["correct"],
         "after_correct": after["correct"],
         "curve": curve,
         "train_seconds": total,
-        "seconds_per_step": statistics.median(steps) if steps else total / options.steps,
+        "seconds_per_step": statistics.median(steps) if steps else total / args.max_steps,
         "completion_mean_length": statistics.fmean(lengths) if lengths else None,  # s/step follows it
         # the trainer's logged metrics per step (rewards, clip ratios, importance weights, staleness, timings)
         "training_log": [

@@ -4,6 +4,7 @@
 import pytest
 
 from benchmarks import dynamic_sampling as study
+from benchmarks.common import paired_arms
 
 
 def record(after, seconds, curve, generation=(1.0, 1.0), filtered=(0.0, 0.0), drawn=(4.0, 4.0), extra=(0.0, 0.0)):
@@ -36,9 +37,9 @@ def record(after, seconds, curve, generation=(1.0, 1.0), filtered=(0.0, 0.0), dr
 
 def test_accuracy_at_equal_wall_clock_is_the_last_snapshot_within_it():
     run = record(0.4, 300.0, [(0.0, 0.2), (100.0, 0.3), (200.0, 0.35), (300.0, 0.4)])
-    assert study.accuracy_within(run, 250.0) == 0.35
-    assert study.accuracy_within(run, 200.0) == 0.35  # a snapshot at the limit counts
-    assert study.accuracy_within(run, 99.0) == 0.2  # step 0 is at 0 s
+    assert paired_arms.accuracy_within(run, 250.0) == 0.35
+    assert paired_arms.accuracy_within(run, 200.0) == 0.35  # a snapshot at the limit counts
+    assert paired_arms.accuracy_within(run, 99.0) == 0.2  # step 0 is at 0 s
 
 
 def test_run_outcomes_count_the_groups_filtered_of_those_drawn():

@@ -1,0 +1,86 @@
+"""Two arms of one trainer compared paired by seed, as the arm studies report them (dynamic sampling, in-flight weight
+updates): per outcome the difference ``on - off`` over the seeds both arms have, with its 95% t interval (scipy's
+exact quantile), its t-test p-value, Holm's adjustment within its family, two one-sided tests (TOST) against a
+margin, and a verdict: a *difference* where Holm's p <= 0.05, *equivalent* where TOST shows it, otherwise *not
+resolved* (one seed: no test). Runs are the records :func:`benchmarks.time_to_accuracy._run_one` writes."""
+
+from __future__ import annotations
+
+import statistics
+
+from .intervals import equivalence, holm, p_value, paired_difference, paired_values
+
+
+def logged(run: dict, key: str) -> list[float]:
+    """The values of the trainer's metric ``key`` over the run's logged steps."""
+    return [h[key] for h in run["training_log"] if key in h]
+
+
+def accuracy_within(run: dict, seconds: float) -> float:
+    """Subset accuracy at the run's last snapshot taken within ``seconds`` of training (step 0 counts as 0 s)."""
+    return [p for p in run["curve"] if p["seconds"] <= seconds + 1e-9][-1]["accuracy"]
+
+
+def equal_wall_clock(on: dict[int, dict], off: dict[int, dict], seeds) -> tuple[dict, dict]:
+    """Per seed, each arm's subset accuracy at the shorter of the seed's two training times."""
+    limit = {seed: min(on[seed]["train_seconds"], off[seed]["train_seconds"]) for seed in seeds}
+    return (
+        {seed: accuracy_within(on[seed], limit[seed]) for seed in seeds},
+        {seed: accuracy_within(off[seed], limit[seed]) for seed in seeds},
+    )
+
+
+def compare(outcome: str, on: dict[int, float], off: dict[int, float], margin: float, family: str) -> dict:
+    """One outcome, ``on - off`` paired by seed; its verdict is set by :func:`decide` once its family is complete."""
+    differences = paired_values(on, off)
+    interval = paired_difference(on, off)
+    several = len(differences) > 1
+    test = equivalence(differences, margin) if several else None
+    seeds = sorted(on.keys() & off.keys())
+    return {
+        "outcome": outcome,
+        "family": family,
+        "seeds": seeds,
+        "off_mean": statistics.fmean(off[s] for s in seeds),
+        "on_mean": statistics.fmean(on[s] for s in seeds),
+        "mean": interval.mean,
+        "low": interval.low,
+        "high": interval.high,
+        "p": p_value(differences) if several else None,
+        "equivalence_margin": margin,
+        "equivalence_p": test.p if test else None,
+        "equivalent": bool(test and test.equivalent),
+    }
+
+
+def decide(rows: list[dict]) -> list[dict]:
+    """Holm's adjustment within each family (the rows sharing ``family``), then each row's verdict."""
+    for family in dict.fromkeys(row["family"] for row in rows):
+        tested = [row for row in rows if row["family"] == family and row["p"] is not None]
+        for row, adjusted in zip(tested, holm([row["p"] for row in tested])):
+            row["holm_p"] = adjusted
+    for row in rows:
+        row.setdefault("holm_p", None)
+        if row["p"] is None:
+            row["verdict"] = "one seed"
+        elif row["holm_p"] <= 0.05:
+            row["verdict"] = "difference"
+        else:
+            row["verdict"] = "equivalent" if row["equivalent"] else "not resolved"
+    return rows
+
+
+def table(rows: list[dict], first_column: str = "outcome") -> list[str]:
+    """The rows as a Markdown table (``first_column``: the key naming each row)."""
+    lines = [
+        f"| {first_column} | seeds | off | on | on - off [95% interval] | p | Holm p | margin | TOST p | verdict |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        p, holm_p, tost = ("-" if row[key] is None else f"{row[key]:.3f}" for key in ("p", "holm_p", "equivalence_p"))
+        lines.append(
+            f"| {row[first_column]} | {','.join(map(str, row['seeds']))} | {row['off_mean']:.3f} | "
+            f"{row['on_mean']:.3f} | {row['mean']:+.3f} [{row['low']:+.3f}, {row['high']:+.3f}] | {p} | {holm_p} | "
+            f"{row['equivalence_margin']:.3f} | {tost} | {row['verdict']} |"
+        )
+    return lines
