@@ -34,12 +34,19 @@ batches per training batch, how often the bound was reached, and ``frac_reward_z
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from pathlib import Path
 
-from benchmarks.common.paired_arms import compare, decide, equal_wall_clock, logged, table
+from benchmarks.common.paired_arms import (
+    compare,
+    decide,
+    equal_wall_clock,
+    logged,
+    runs_by_configuration,
+    table,
+    write_summary,
+)
 from benchmarks.common.runner import RunStore, plan, run_study, study_parser
 
 HERE = Path(__file__).resolve().parent
@@ -114,9 +121,7 @@ def paired_outcomes(runs: dict[str, dict[int, dict]]) -> list[dict]:
 
 
 def summarize(store: RunStore, options) -> str:
-    runs: dict[str, dict[int, dict]] = {}
-    for cell, run in store.records().items():
-        runs.setdefault(cell.config, {})[cell.seed] = run
+    runs = runs_by_configuration(store)
     missing = [str(cell) for cell in store.missing(plan(options.configs, options.seeds))]
     per_run = [
         "| run | started (UTC) | held-out before -> after | subset at steps "
@@ -138,7 +143,7 @@ def summarize(store: RunStore, options) -> str:
                 f"| {o['filtered_frac']:.1%} | {o['extra_batches_mean']:.2f} | {o['bound_reached_steps']} | "
                 f"{'-' if zero is None else f'{zero:.1%}'} | {o['generation_seconds_per_step']:.2f} | "
                 f"{o['seconds_per_step']:.2f} | {o['train_minutes']:.1f} | "
-                f"{run['load_average_start'][0] if 'load_average_start' in run else '-'} | "
+                f"{format(run['load_average_start'][0], '.1f') if 'load_average_start' in run else '-'} | "
                 f"{'-' if foreign is None else f'{foreign:.0%}'} |"
             )
     paired = paired_outcomes(runs)
@@ -163,16 +168,7 @@ def summarize(store: RunStore, options) -> str:
             "",
             *table(paired),
         ]
-    lines += ["", f"Missing runs: {', '.join(missing) if missing else 'none'}."]
-    out = Path(options.out)
-    report = {
-        "runs": {arm: {str(seed): run_outcomes(run) for seed, run in done.items()} for arm, done in runs.items()},
-        "paired": paired,
-        "missing": missing,
-    }
-    (out / "summary.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "summary.md").write_text("\n".join(lines) + "\n")
-    return "\n".join(lines)
+    return write_summary(options.out, lines, runs, run_outcomes, paired, missing)
 
 
 def main(argv: list[str] | None = None) -> None:

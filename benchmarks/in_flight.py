@@ -31,12 +31,19 @@ versions per completion.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from pathlib import Path
 
-from benchmarks.common.paired_arms import compare, decide, equal_wall_clock, logged, table
+from benchmarks.common.paired_arms import (
+    compare,
+    decide,
+    equal_wall_clock,
+    logged,
+    runs_by_configuration,
+    table,
+    write_summary,
+)
 from benchmarks.common.runner import RunStore, plan, run_study, study_parser
 
 HERE = Path(__file__).resolve().parent
@@ -134,9 +141,7 @@ def paired_outcomes(runs: dict[str, dict[int, dict]]) -> list[dict]:
 
 
 def summarize(store: RunStore, options) -> str:
-    runs: dict[str, dict[int, dict]] = {}
-    for cell, run in store.records().items():
-        runs.setdefault(cell.config, {})[cell.seed] = run
+    runs = runs_by_configuration(store)
     missing = [str(cell) for cell in store.missing(plan(options.configs, options.seeds))]
     per_run = [
         "| run | started (UTC) | held-out before -> after | tokens per completion | s/step | generator idle s/batch "
@@ -183,16 +188,7 @@ def summarize(store: RunStore, options) -> str:
             "",
             *table(paired, first_column="setting, outcome"),
         ]
-    lines += ["", f"Missing runs: {', '.join(missing) if missing else 'none'}."]
-    out = Path(options.out)
-    report = {
-        "runs": {name: {str(s): run_outcomes(r) for s, r in done.items()} for name, done in runs.items()},
-        "paired": paired,
-        "missing": missing,
-    }
-    (out / "summary.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "summary.md").write_text("\n".join(lines) + "\n")
-    return "\n".join(lines)
+    return write_summary(options.out, lines, runs, run_outcomes, paired, missing)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,6 +6,7 @@ resolved* (one seed: no test). Runs are the records :func:`benchmarks.time_to_ac
 
 from __future__ import annotations
 
+import json
 import statistics
 
 from .intervals import equivalence, holm, p_value, paired_difference, paired_values
@@ -84,3 +85,28 @@ def table(rows: list[dict], first_column: str = "outcome") -> list[str]:
             f"{row['equivalence_margin']:.3f} | {tost} | {row['verdict']} |"
         )
     return lines
+
+
+def runs_by_configuration(store) -> dict[str, dict[int, dict]]:
+    """A :class:`~.runner.RunStore`'s records as ``{configuration: {seed: record}}``."""
+    runs: dict[str, dict[int, dict]] = {}
+    for cell, run in store.records().items():
+        runs.setdefault(cell.config, {})[cell.seed] = run
+    return runs
+
+
+def write_summary(out, lines: list[str], runs: dict, outcomes, paired: list[dict], missing: list[str]) -> str:
+    """Writes ``<out>/summary.md`` (``lines``, then the runs still missing) and ``<out>/summary.json`` (each run's
+    ``outcomes(record)``, the paired comparisons, the missing runs); returns the Markdown."""
+    from pathlib import Path
+
+    text = "\n".join([*lines, "", f"Missing runs: {', '.join(missing) if missing else 'none'}."])
+    report = {
+        "runs": {name: {str(seed): outcomes(run) for seed, run in done.items()} for name, done in runs.items()},
+        "paired": paired,
+        "missing": missing,
+    }
+    out = Path(out)
+    (out / "summary.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "summary.md").write_text(text + "\n")
+    return text
