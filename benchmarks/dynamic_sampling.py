@@ -38,7 +38,9 @@ import statistics
 import sys
 from pathlib import Path
 
+from benchmarks import time_to_accuracy
 from benchmarks.common.paired_arms import (
+    arms_parser,
     compare,
     decide,
     equal_wall_clock,
@@ -47,7 +49,7 @@ from benchmarks.common.paired_arms import (
     table,
     write_summary,
 )
-from benchmarks.common.runner import RunStore, plan, run_study, study_parser
+from benchmarks.common.runner import RunStore, plan, run_study
 
 HERE = Path(__file__).resolve().parent
 #: The arms: their AsyncA3POConfig fields on top of the main job's ``loglinear-s1``.
@@ -61,17 +63,10 @@ TIME_MARGIN_FRACTION = 0.10
 
 
 def _parser():
-    from benchmarks import time_to_accuracy
-
-    parser = study_parser(__doc__, configs=ARMS, seeds=SEEDS, out=HERE / "results" / "dynamic-sampling")
-    time_to_accuracy.add_run_arguments(parser)  # a run's options, as the time-to-accuracy study has them
-    parser.set_defaults(eval_every=10)
-    return parser
+    return arms_parser(__doc__, configs=ARMS, seeds=SEEDS, out=HERE / "results" / "dynamic-sampling")
 
 
 def _run_one(options, arm: str, seed: int) -> dict:
-    from benchmarks import time_to_accuracy
-
     record = time_to_accuracy._run_one(options, BASE_CONFIG, seed, overrides=ARMS[arm], run_name=arm)
     return record | {"arm": arm, "base_config": BASE_CONFIG, "overrides": ARMS[arm]}
 
@@ -177,8 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [arm for arm in options.configs if arm not in ARMS]
     if unknown:
         raise SystemExit(f"unknown arms {unknown}: use {', '.join(ARMS)}")
-    if options.quick:
-        options.steps, options.eval_every, options.eval_problems, options.held_out = 4, 2, 8, 8
+    time_to_accuracy.apply_quick(options)
     run_study(
         argv,
         options,

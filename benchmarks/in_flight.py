@@ -35,7 +35,9 @@ import statistics
 import sys
 from pathlib import Path
 
+from benchmarks import time_to_accuracy
 from benchmarks.common.paired_arms import (
+    arms_parser,
     compare,
     decide,
     equal_wall_clock,
@@ -44,7 +46,7 @@ from benchmarks.common.paired_arms import (
     table,
     write_summary,
 )
-from benchmarks.common.runner import RunStore, plan, run_study, study_parser
+from benchmarks.common.runner import RunStore, plan, run_study
 
 HERE = Path(__file__).resolve().parent
 BASE_CONFIG = "loglinear-s1"
@@ -67,12 +69,7 @@ OUTCOMES = {
 
 
 def _parser():
-    from benchmarks import time_to_accuracy
-
-    parser = study_parser(__doc__, configs=CONFIGS, seeds=SEEDS, out=HERE / "results" / "in-flight")
-    time_to_accuracy.add_run_arguments(parser)  # a run's options, as the time-to-accuracy study has them
-    parser.set_defaults(eval_every=10)
-    return parser
+    return arms_parser(__doc__, configs=CONFIGS, seeds=SEEDS, out=HERE / "results" / "in-flight")
 
 
 def _parse(name: str) -> tuple[str, str]:
@@ -83,8 +80,6 @@ def _parse(name: str) -> tuple[str, str]:
 
 
 def _run_one(options, name: str, seed: int) -> dict:
-    from benchmarks import time_to_accuracy
-
     setting, arm = _parse(name)
     overrides = {**SETTINGS[setting], **ARMS[arm], "reproducible_generation": False}
     if options.quick:  # the smoke run's length and steps for every setting
@@ -196,8 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     options = _parser().parse_args(argv)
     for name in options.configs:
         _parse(name)
-    if options.quick:
-        options.steps, options.eval_every, options.eval_problems, options.held_out = 4, 2, 8, 8
+    time_to_accuracy.apply_quick(options)
     run_study(
         argv,
         options,

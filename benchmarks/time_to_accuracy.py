@@ -80,6 +80,12 @@ def _settings(options) -> dict:
     return {"training": training, "threads": threads, "system_prompt": DEMO_SYSTEM_PROMPT}
 
 
+def apply_quick(options) -> None:
+    """``--quick``: 4 steps, snapshots every 2 steps, 8 problems (completions of 16 tokens: :func:`_settings`)."""
+    if options.quick:
+        options.steps, options.eval_every, options.eval_problems, options.held_out = 4, 2, 8, 8
+
+
 def _method_and_staleness(name: str) -> tuple[str, int]:
     """``"loglinear-s2"`` -> ``("loglinear", 2)``."""
     method, staleness = name.rsplit("-s", 1)
@@ -334,8 +340,7 @@ def _plot(runs, names, path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     options = _parser().parse_args(argv)
-    if options.quick:
-        options.steps, options.eval_every, options.eval_problems, options.held_out = 4, 2, 8, 8
+    apply_quick(options)
     run_study(
         argv,
         options,

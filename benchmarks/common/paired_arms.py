@@ -110,3 +110,15 @@ def write_summary(out, lines: list[str], runs: dict, outcomes, paired: list[dict
     (out / "summary.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "summary.md").write_text(text + "\n")
     return text
+
+
+def arms_parser(description: str, *, configs, seeds, out):
+    """An arm study's command line: the runner's options and a time-to-accuracy run's, snapshots every 10 steps."""
+    from benchmarks import time_to_accuracy
+
+    from .runner import study_parser
+
+    parser = study_parser(description, configs=configs, seeds=seeds, out=out)
+    time_to_accuracy.add_run_arguments(parser)
+    parser.set_defaults(eval_every=10)
+    return parser
