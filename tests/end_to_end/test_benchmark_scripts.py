@@ -20,6 +20,11 @@ SMOKE_TESTS = {
     ),
     "backends": ("tests/integration/test_vllm.py", "test_backends_benchmark_reports_every_field"),
     "compare": ("tests/end_to_end/test_benchmark.py", "test_quick_benchmark_writes_a_complete_report"),
+    "dynamic_sampling": (
+        "tests/end_to_end/test_arm_studies.py",
+        "test_dynamic_sampling_study_records_the_filter_and_pairs_the_arms",
+    ),
+    "in_flight": ("tests/end_to_end/test_arm_studies.py", "test_in_flight_study_records_the_loads_and_pairs_the_arms"),
     "lora_memory": ("tests/end_to_end/test_benchmark.py", "test_lora_memory_report_on_the_tiny_model"),
     "proximal_map": (
         "tests/end_to_end/test_proximal_map.py",
