@@ -55,7 +55,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common.intervals import equivalence, holm, p_value, paired_difference, paired_values
+from benchmarks.common.intervals import holm_within, paired_test
 from benchmarks.common.runner import RunStore, plan, run_study, study_parser
 from benchmarks.common.study_plot import plot_study
 
@@ -397,32 +397,18 @@ def paired_comparisons(final: dict[str, dict[int, float]], margin: float = EQUIV
         method, staleness, steps = _parse_config(name)
         for other in ("recompute", "behavior") if method == "loglinear" else ():
             other_name = name.replace("loglinear-", f"{other}-", 1)
-            values = paired_values(final[name], final.get(other_name, {}))
-            if not values:
+            if not final[name].keys() & final.get(other_name, {}).keys():
                 continue
-            interval, several = paired_difference(final[name], final[other_name]), len(values) > 1
-            test = equivalence(values, margin) if several else None
             comparisons.append(
                 {
                     "staleness": staleness,
                     "steps_per_batch": steps,
                     "difference": f"loglinear - {other}",
-                    "seeds": sorted(final[name].keys() & final[other_name].keys()),
-                    "mean": interval.mean,
-                    "low": interval.low,
-                    "high": interval.high,
-                    "p": p_value(values) if several else None,
-                    "equivalence_margin": margin,
-                    "equivalence_p": test.p if test else None,
-                    "equivalent": bool(test and test.equivalent),
+                    **paired_test(final[name], final[other_name], margin),
                 }
             )
-    for difference in {c["difference"] for c in comparisons}:
-        family = [c for c in comparisons if c["difference"] == difference and c["p"] is not None]
-        for c, adjusted in zip(family, holm([c["p"] for c in family])):
-            c["holm_p"] = adjusted
+    holm_within(comparisons, "difference")
     for c in comparisons:
-        c.setdefault("holm_p", None)
         c["resolved"] = c["holm_p"] is not None and c["holm_p"] <= 0.05
     return comparisons
 
@@ -453,11 +439,11 @@ def _comparison_lines(comparisons: list[dict]) -> list[str]:
     return lines
 
 
-def _missing_line(out: Path, missing: list[str]) -> str:
+def _missing_line(missing: list[str], retired: bool) -> str:
     """The runs of the plan not made: still to run, or, where the study was retired (``<out>/RETIRED.md`` says when
     and why), never to be run."""
     listed = ", ".join(missing) if missing else "none"
-    if (out / "RETIRED.md").exists():
+    if retired:
         return f"Not run: {listed} (the study is retired, [RETIRED.md](RETIRED.md) says why)."
     return f"Missing runs: {listed}."
 
@@ -469,6 +455,8 @@ def summarize(store: RunStore, options, names, seeds) -> str:
     for done in runs.values():
         done.sort(key=lambda run: run["seed"])
     missing = [str(cell) for cell in store.missing(plan(names, seeds, by_seed=False))]
+    out = Path(options.out)
+    retired = (out / "RETIRED.md").exists()
     header = (
         "| configuration | runs | held-out reward: before -> final (min-max) | exact replies | training reward, "
         "last 5 steps | KL to initial (nats/token) | clipped tokens | capped tokens | behavior weight: batch means, "
@@ -540,11 +528,10 @@ def summarize(store: RunStore, options, names, seeds) -> str:
             "",
             *(["", *_comparison_lines(comparisons)] if comparisons else []),
             "",
-            _missing_line(Path(options.out), missing),
+            _missing_line(missing, retired),
         ]
     )
-    out = Path(options.out)
-    report = {"configs": summary, "paired": comparisons, "missing": missing, "retired": (out / "RETIRED.md").exists()}
+    report = {"configs": summary, "paired": comparisons, "missing": missing, "retired": retired}
     (out / "summary.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "summary.md").write_text(table + "\n")
     plot_study(runs, names, out / "staleness.png", _parse_config)

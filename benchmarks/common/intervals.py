@@ -109,6 +109,17 @@ def holm(p_values: Sequence[float]) -> list[float]:
     return adjusted
 
 
+def holm_within(rows: list[dict], family: str) -> None:
+    """Sets each row's ``holm_p``: its ``p`` adjusted by Holm within the rows with the same ``row[family]`` (``None``
+    for a row without a test)."""
+    for name in dict.fromkeys(row[family] for row in rows):
+        tested = [row for row in rows if row[family] == name and row["p"] is not None]
+        for row, adjusted in zip(tested, holm([row["p"] for row in tested])):
+            row["holm_p"] = adjusted
+    for row in rows:
+        row.setdefault("holm_p", None)
+
+
 @dataclass(frozen=True)
 class Equivalence:
     """Two one-sided t tests of ``|mean| < margin``: ``p`` is the larger of the two one-sided p-values, and the mean
@@ -146,3 +157,22 @@ def equivalence(values, margin: float, alpha: float = 0.05) -> Equivalence:
     if len(values) < 2:
         raise ValueError("an equivalence test needs at least two values")
     return equivalence_from_summary(statistics.fmean(values), _standard_error(values), len(values) - 1, margin, alpha)
+
+
+def paired_test(a: dict, b: dict, margin: float) -> dict:
+    """``a[seed] - b[seed]`` over the seeds both have: the seeds, the mean with its 95% t interval, the t test's
+    p-value and two one-sided tests (TOST) against ``margin`` (``p`` and ``equivalence_p`` are ``None`` for one seed:
+    no test)."""
+    values = paired_values(a, b)
+    interval = paired_difference(a, b)
+    test = equivalence(values, margin) if len(values) > 1 else None
+    return {
+        "seeds": sorted(a.keys() & b.keys()),
+        "mean": interval.mean,
+        "low": interval.low,
+        "high": interval.high,
+        "p": p_value(values) if test else None,
+        "equivalence_margin": margin,
+        "equivalence_p": test.p if test else None,
+        "equivalent": bool(test and test.equivalent),
+    }

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import statistics
 
-from .intervals import equivalence, holm, p_value, paired_difference, paired_values
+from .intervals import holm_within, paired_test
 
 
 def logged(run: dict, key: str) -> list[float]:
@@ -32,36 +32,18 @@ def equal_wall_clock(on: dict[int, dict], off: dict[int, dict], seeds) -> tuple[
 
 
 def compare(outcome: str, on: dict[int, float], off: dict[int, float], margin: float, family: str) -> dict:
-    """One outcome, ``on - off`` paired by seed; its verdict is set by :func:`decide` once its family is complete."""
-    differences = paired_values(on, off)
-    interval = paired_difference(on, off)
-    several = len(differences) > 1
-    test = equivalence(differences, margin) if several else None
-    seeds = sorted(on.keys() & off.keys())
-    return {
-        "outcome": outcome,
-        "family": family,
-        "seeds": seeds,
-        "off_mean": statistics.fmean(off[s] for s in seeds),
-        "on_mean": statistics.fmean(on[s] for s in seeds),
-        "mean": interval.mean,
-        "low": interval.low,
-        "high": interval.high,
-        "p": p_value(differences) if several else None,
-        "equivalence_margin": margin,
-        "equivalence_p": test.p if test else None,
-        "equivalent": bool(test and test.equivalent),
-    }
+    """One outcome, ``on - off`` paired by seed (:func:`~.intervals.paired_test`) with each arm's mean over those
+    seeds; its verdict is set by :func:`decide` once its family is complete."""
+    row = {"outcome": outcome, "family": family, **paired_test(on, off, margin)}
+    row["off_mean"] = statistics.fmean(off[s] for s in row["seeds"])
+    row["on_mean"] = statistics.fmean(on[s] for s in row["seeds"])
+    return row
 
 
 def decide(rows: list[dict]) -> list[dict]:
     """Holm's adjustment within each family (the rows sharing ``family``), then each row's verdict."""
-    for family in dict.fromkeys(row["family"] for row in rows):
-        tested = [row for row in rows if row["family"] == family and row["p"] is not None]
-        for row, adjusted in zip(tested, holm([row["p"] for row in tested])):
-            row["holm_p"] = adjusted
+    holm_within(rows, "family")
     for row in rows:
-        row.setdefault("holm_p", None)
         if row["p"] is None:
             row["verdict"] = "one seed"
         elif row["holm_p"] <= 0.05:
