@@ -6,8 +6,9 @@
 What is regenerated, and from what:
 
 - the studies with per-run records (``<study>/runs/<config>@<seed>.json``): the staleness study, its pre-registered
-  confirmation, time to accuracy, dynamic sampling, and the proximal map and the approximation study once their runs
-  are committed; each study's own ``--summary-only`` (``summary.md``, ``summary.json``, its plot);
+  confirmation, time to accuracy, dynamic sampling, in-flight updates, and the proximal map and the approximation
+  study once their runs are committed; each study's own ``--summary-only`` (``summary.md``, ``summary.json``, its
+  plot);
 - the proximal map while its runs are not committed: ``families.{md,json}`` (Holm within each family, equivalence
   against the margin), read back from the committed ``summary.json``'s means and intervals;
 - ``compare-*.md`` and ``profile-*.md`` from their JSON reports (``benchmarks/compare``), ``backends-*.md`` from theirs
@@ -58,7 +59,7 @@ def rerun_progress(folder: Path) -> str:
 def regenerate(results: Path = RESULTS) -> list[str]:
     """Regenerate every summary and table under ``results`` (the committed folder, or a copy of it); returns what
     was regenerated, relative to ``results``."""
-    from benchmarks import dynamic_sampling, proximal_map, staleness, time_to_accuracy
+    from benchmarks import dynamic_sampling, in_flight, proximal_map, staleness, time_to_accuracy
 
     done = []
     studies = [
@@ -66,6 +67,7 @@ def regenerate(results: Path = RESULTS) -> list[str]:
         ("staleness/confirmation", staleness.main, ["--confirmation"]),
         ("time-to-accuracy", time_to_accuracy.main, []),
         ("dynamic-sampling", dynamic_sampling.main, []),
+        ("in-flight", in_flight.main, []),
         ("proximal_map", proximal_map.main, []),
     ]
     if _has_runs(results / "approximation"):
