@@ -45,11 +45,14 @@ from benchmarks.common.paired_arms import (
     decide,
     equal_wall_clock,
     logged,
+    machine_cells,
+    run_arm_study,
     runs_by_configuration,
+    shown,
     table,
     write_summary,
 )
-from benchmarks.common.runner import RunStore, plan, run_study
+from benchmarks.common.runner import RunStore, plan
 
 HERE = Path(__file__).resolve().parent
 #: The arms: their AsyncA3POConfig fields on top of the main job's ``loglinear-s1``.
@@ -131,15 +134,11 @@ def summarize(store: RunStore, options) -> str:
         for seed, run in sorted(runs.get(arm, {}).items()):
             o = run_outcomes(run)
             curve = " / ".join(f"{p['accuracy']:.0%}" for p in run["curve"])
-            zero = o["frac_reward_zero_std_trained"]
-            foreign = run.get("foreign_cpu_frac_run")
             per_run.append(
                 f"| {arm}@{seed} | {run.get('started_at', '-')} | {run['before']:.1%} -> {run['after']:.1%} | {curve} "
                 f"| {o['filtered_frac']:.1%} | {o['extra_batches_mean']:.2f} | {o['bound_reached_steps']} | "
-                f"{'-' if zero is None else f'{zero:.1%}'} | {o['generation_seconds_per_step']:.2f} | "
-                f"{o['seconds_per_step']:.2f} | {o['train_minutes']:.1f} | "
-                f"{format(run['load_average_start'][0], '.1f') if 'load_average_start' in run else '-'} | "
-                f"{'-' if foreign is None else f'{foreign:.0%}'} |"
+                f"{shown(o['frac_reward_zero_std_trained'], '.1%')} | {o['generation_seconds_per_step']:.2f} | "
+                f"{o['seconds_per_step']:.2f} | {o['train_minutes']:.1f} | {machine_cells(run)} |"
             )
     paired = paired_outcomes(runs)
     lines = [
@@ -172,15 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [arm for arm in options.configs if arm not in ARMS]
     if unknown:
         raise SystemExit(f"unknown arms {unknown}: use {', '.join(ARMS)}")
-    time_to_accuracy.apply_quick(options)
-    run_study(
-        argv,
-        options,
-        module="benchmarks.dynamic_sampling",
-        cells=plan(options.configs, options.seeds),  # seed by seed: off then on, next to each other
-        run=lambda cell: _run_one(options, cell.config, cell.seed),
-        summarize=lambda store: summarize(store, options),
-    )
+    run_arm_study(argv, options, module="benchmarks.dynamic_sampling", run_one=_run_one, summarize=summarize)
 
 
 if __name__ == "__main__":

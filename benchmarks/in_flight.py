@@ -42,11 +42,14 @@ from benchmarks.common.paired_arms import (
     decide,
     equal_wall_clock,
     logged,
+    machine_cells,
+    run_arm_study,
     runs_by_configuration,
+    shown,
     table,
     write_summary,
 )
-from benchmarks.common.runner import RunStore, plan, run_study
+from benchmarks.common.runner import RunStore, plan
 
 HERE = Path(__file__).resolve().parent
 BASE_CONFIG = "loglinear-s1"
@@ -145,20 +148,16 @@ def summarize(store: RunStore, options) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
-    def number(value, form):
-        return "-" if value is None else format(value, form)
-
     for name in options.configs:
         for seed, run in sorted(runs.get(name, {}).items()):
             o = run_outcomes(run)
             per_run.append(
                 f"| {name}@{seed} | {run.get('started_at', '-')} | {run['before']:.1%} -> {run['after']:.1%} | "
-                f"{number(o['completion_mean_length'], '.1f')} | {o['seconds_per_step']:.2f} | "
+                f"{shown(o['completion_mean_length'], '.1f')} | {o['seconds_per_step']:.2f} | "
                 f"{o['generator_idle_seconds']:.2f} | {o['token_staleness_mean']:.3f} | "
                 f"{o['in_flight_loads_per_step']:.2f} | {o['in_flight_load_seconds_per_step']:.3f} | "
-                f"{number(o['multi_version_frac'], '.1%')} | {number(o['completion_versions_mean'], '.2f')} | "
-                f"{o['train_minutes']:.1f} | {number((run.get('load_average_start') or [None])[0], '.1f')} | "
-                f"{number(run.get('foreign_cpu_frac_run'), '.0%')} |"
+                f"{shown(o['multi_version_frac'], '.1%')} | {shown(o['completion_versions_mean'], '.2f')} | "
+                f"{o['train_minutes']:.1f} | {machine_cells(run)} |"
             )
     paired = paired_outcomes(runs)
     lines = [
@@ -191,15 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     options = _parser().parse_args(argv)
     for name in options.configs:
         _parse(name)
-    time_to_accuracy.apply_quick(options)
-    run_study(
-        argv,
-        options,
-        module="benchmarks.in_flight",
-        cells=plan(options.configs, options.seeds),  # seed by seed: the four configurations next to each other
-        run=lambda cell: _run_one(options, cell.config, cell.seed),
-        summarize=lambda store: summarize(store, options),
-    )
+    run_arm_study(argv, options, module="benchmarks.in_flight", run_one=_run_one, summarize=summarize)
 
 
 if __name__ == "__main__":

@@ -104,3 +104,34 @@ def arms_parser(description: str, *, configs, seeds, out):
     time_to_accuracy.add_run_arguments(parser)
     parser.set_defaults(eval_every=10)
     return parser
+
+
+def shown(value, form: str) -> str:
+    """``value`` in ``form``, or ``-`` where there is none."""
+    return "-" if value is None else format(value, form)
+
+
+def machine_cells(run: dict) -> str:
+    """A per-run table's last two cells: the 1-minute load average when the run started, and the other processes'
+    share of the CPU while it ran."""
+    load = (run.get("load_average_start") or [None])[0]
+    return f"{shown(load, '.1f')} | {shown(run.get('foreign_cpu_frac_run'), '.0%')}"
+
+
+def run_arm_study(argv: list[str], options, *, module: str, run_one, summarize) -> None:
+    """An arm study's ``main`` once its options are parsed and checked: ``--quick`` applied, then the runner over its
+    configurations seed by seed (the arms of a seed next to each other), ``run_one(options, configuration, seed)``
+    per run and ``summarize(store, options)``."""
+    from benchmarks import time_to_accuracy
+
+    from .runner import plan, run_study
+
+    time_to_accuracy.apply_quick(options)
+    run_study(
+        argv,
+        options,
+        module=module,
+        cells=plan(options.configs, options.seeds),
+        run=lambda cell: run_one(options, cell.config, cell.seed),
+        summarize=lambda store: summarize(store, options),
+    )
