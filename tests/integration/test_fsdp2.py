@@ -133,6 +133,23 @@ def test_reproducible_run_resumes_from_a_sharded_checkpoint_bit_for_bit(tmp_path
         assert r["final_weights_equal"]
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_in_flight_weight_updates_load_versions_mid_batch_on_every_process(tmp_path, lora):
+    """in_flight_weight_updates under FSDP2: with the switch points fixed by the schedule, every process's batches 1 to
+    3 switch from the version they started with to the next one after their third token (a version every process
+    published, gathered from the shards), each token tagged with its own; the processes end in agreement."""
+    reports = _launch(tmp_path, "--in-flight", *(["--lora"] if lora else []))
+    for r in reports:
+        assert r["global_step"] == r["generator_version"] == 4 and r["generator_matches_trainer"]
+        assert r["token_versions"] == r["expected_token_versions"]
+        for index in range(1, 4):
+            assert {v for row in r["token_versions"][index] for v in row if v >= 0} == {index - 1, index}
+        assert r["in_flight_weight_loads"] == [0.0, 1.0, 1.0, 1.0]
+        assert r["completion_versions_max"] == [1.0, 2.0, 2.0, 2.0]
+        assert 0 <= r["max_staleness_seen"] <= 1
+    assert reports[0]["generator_checksum"] == pytest.approx(reports[1]["generator_checksum"], rel=1e-9)
+
+
 def test_fsdp1_is_refused_naming_fsdp_version_2(tmp_path):
     # FSDP1's plugin refuses sync_module_states=True on CPU before the trainer could say anything
     stderr = _launch(tmp_path, fsdp_config={"fsdp_version": 1, "fsdp_sync_module_states": False}, succeed=False)

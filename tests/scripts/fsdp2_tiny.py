@@ -1,6 +1,7 @@
 """Train a tiny model under FSDP2 on two CPU processes and write one JSON report per rank (used by test_fsdp2.py).
 
 accelerate launch --config_file FSDP2_CONFIG tests/scripts/fsdp2_tiny.py OUT_DIR [--lora] [--resume] [--extras]
+    [--in-flight]
 
 accelerate keeps FSDP off on a CPU-only machine; ``force_fsdp_on_cpu`` (tests/fsdp_cpu.py, docs/FSDP2.md) turns it on,
 so the Trainer shards the model with ``fully_shard`` over gloo as it would on GPUs.
@@ -16,6 +17,8 @@ a reference model (``beta > 0``; from a saved copy of the base, or the adapter-d
 model given as a module, ``prox_logp_method="metrics"`` and evaluation, at ``max_staleness=0`` so that the generator
 loads every version. At one optimizer step per batch ``metrics`` anchors at the training forward's own log-probs, so
 the recompute forward a batch trained over several steps gets is run after training, sharded, on the fixed completion.
+With ``--in-flight`` the run trains with ``in_flight_weight_updates=True`` and the switch points fixed by the schedule
+(``helpers.Lockstep``): the report holds each batch's token versions and the ones the schedule fixes.
 """
 
 import functools
@@ -31,7 +34,7 @@ from fsdp_cpu import force_fsdp_on_cpu  # noqa: E402
 force_fsdp_on_cpu()
 
 import torch  # noqa: E402
-from helpers import StopAt, distributed_script_config, generator_matches, logged_after  # noqa: E402
+from helpers import Lockstep, StopAt, distributed_script_config, generator_matches, logged, logged_after  # noqa: E402
 from tiny import length_reward, make_model, make_prompts, make_reward_model, make_tokenizer  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
@@ -290,6 +293,27 @@ def resume_bit_for_bit(out_dir, tokenizer, lora):
     }
 
 
+def train_in_flight(out_dir, tokenizer, lora):
+    """In-flight weight updates under FSDP2: each process's generator loads a version mid-batch, at the token the
+    schedule fixes, from its staging buffer, which every process's (sharded, gathered) publication filled."""
+    trainer = make(out_dir, tokenizer, lora, in_flight_weight_updates=True)
+    lockstep = Lockstep(trainer, setattr, lag=1, num_batches=MAX_STEPS)
+    trainer.train()
+    policy = trainer.last_batch_producer.backend
+    policy.refresh()
+    return trainer, {
+        "global_step": trainer.state.global_step,
+        "generator_version": policy.version,
+        "generator_matches_trainer": generator_matches(policy, trainer._unwrapped_model()),
+        "generator_checksum": sum(p.double().sum().item() for p in policy.module.parameters()),
+        "token_versions": [lockstep.token_versions[i].tolist() for i in range(MAX_STEPS)],
+        "expected_token_versions": [lockstep.expected_versions(i).tolist() for i in range(MAX_STEPS)],
+        "in_flight_weight_loads": logged(trainer, "async/in_flight_weight_loads"),
+        "completion_versions_max": logged(trainer, "a3po/completion_versions_max"),
+        "max_staleness_seen": max(logged(trainer, "a3po/staleness_max")),
+    }
+
+
 def main():
     out_dir = sys.argv[1]
     lora, resume, with_extras = "--lora" in sys.argv, "--resume" in sys.argv, "--extras" in sys.argv
@@ -302,6 +326,9 @@ def main():
     if resume:
         report = resume_bit_for_bit(out_dir, tokenizer, lora)
         rank = int(os.environ["RANK"])
+    elif "--in-flight" in sys.argv:
+        trainer, report = train_in_flight(os.path.join(out_dir, "run"), tokenizer, lora)
+        rank = trainer.accelerator.process_index
     else:
         trainer, report = train_and_check(os.path.join(out_dir, "run"), tokenizer, lora, with_extras)
         rank = trainer.accelerator.process_index
