@@ -14,5 +14,5 @@ if [ "${A3PO_SKIP_VLLM:-0}" != "1" ]; then
   bash scripts/setup_vllm.sh
   # one thread each for the engine and the trainer: stable timings on a small machine
   OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" .venv-vllm/bin/python -m pytest -q -m vllm tests/integration/test_vllm.py tests/integration/test_vllm_in_flight.py \
-    tests/integration/test_fsdp2_vllm.py tests/end_to_end/test_gpu_check.py
+    tests/integration/test_vllm_server_in_flight.py tests/integration/test_fsdp2_vllm.py tests/end_to_end/test_gpu_check.py
 fi

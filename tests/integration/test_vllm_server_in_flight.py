@@ -47,10 +47,15 @@ def vllm_server(tmp_path_factory, tokenizer):
     make_vllm_model(tokenizer).save_pretrained(root / "model")
     port = free_port()
     log_path = root / "server.log"
-    process = start_server(root / "model", port, log_path, max_model_len=512)
+    process = start_server(root / "model", port, log_path, max_model_len=512, slow_steps=True)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(process, url, log_path)
+        # every engine step of this server sleeps first (tests/vllm_slow_steps.py), so a pause lands mid-batch
+        slow = requests.post(f"{url}/collective_rpc", json={"method": "a3po_test_slow_steps"}, timeout=60)
+        assert slow.status_code == 200, slow.text[:200]
+        (answer,) = slow.json()["results"]
+        assert answer["wrapped"] and answer["step_seconds"] > 0, answer
         yield {"url": url, "model": root / "model"}
     finally:
         if process.poll() is None:
@@ -85,9 +90,10 @@ LONG_COMPLETIONS = {
 class PauseWhenEveryCompletionStarted:
     """Pauses the server (mode ``keep``) from the stream that reads the last first token of each batch, and keeps every
     batch's :class:`~server_in_flight.BatchStreams` (``batches``). From the pause the server samples nothing until it
-    is resumed, so what a test does at the generator's next look at the streams (``take``) happens mid-batch whatever
-    the machine's speed: a function of the tokens streamed, not of timing (the generator polls every 10 ms, and a
-    tiny model on a quiet machine samples a short completion in less)."""
+    is resumed, so what a test does at the generator's next look at the streams (``take``) happens mid-batch: a
+    function of the tokens streamed, not of timing. The pause itself travels (an HTTP request, then a call answered by
+    the engine between two steps): the module's server sleeps before each engine step (`vllm_slow_steps`), so the pause
+    lands within a few tokens, where the tiny model on a quiet machine would otherwise sample the whole batch first."""
 
     def __init__(self, url: str, setattr_fn):
         self.url = url
