@@ -16,7 +16,7 @@ from helpers import COMMON as TRAINER_COMMON
 from helpers import LOCKSTEP_TIMEOUT, SWITCH_AFTER, Lockstep, free_port, logged
 from in_flight_replay import LOGP_TOLERANCE, full_forward, long_prompts, moved, plain_copy, replay
 from tiny import length_reward, make_prompts, make_vllm_model
-from vllm_launch import start_server, wait_healthy
+from vllm_launch import launch_two_processes, start_server, wait_healthy
 
 pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -330,3 +330,24 @@ def test_training_against_the_server_with_in_flight_loads_tags_every_token_and_l
     assert all(t > 0 for t in logged(trainer, "async/in_flight_weight_load_time")[2:])
     assert max(logged(trainer, "a3po/staleness_max")) == 2.0  # the bound, on the oldest tokens
     assert all(0 < m < 2 for m in logged(trainer, "a3po/staleness_mean")[2:])  # per token: 2 and 1 mixed
+
+
+def test_two_training_processes_share_the_server_and_load_versions_into_it_mid_batch(tmp_path, vllm_server):
+    """A server shared by two training processes (.shared_server): whichever process finds a version both published
+    loads it mid-batch, with every request of both kept; each process's tokens carry the server's labels (versions
+    loaded by either process), never going back within a completion, within the staleness bound."""
+    url = vllm_server["url"]
+    result, _, reports = launch_two_processes(tmp_path, vllm_server["model"], "server", "--url", url, "--in-flight")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    assert sorted(reports) == [0, 1]
+    for r in reports.values():
+        assert "error" not in r, r.get("traceback")
+        assert r["global_step"] == 3 and r["max_staleness_seen"] <= 2
+        for batch, (_, version, oldest, _) in zip(r["batch_token_versions"], r["batches"]):
+            for row in batch:
+                tagged = [v for v in row if v >= 0]
+                assert tagged and tagged == sorted(tagged) and tagged[0] >= version >= oldest, row
+    # the server is slowed to 20 ms a step and completions run 96 tokens: versions are published mid-batch
+    assert sum(sum(r["in_flight_weight_loads"]) for r in reports.values()) >= 1
+    assert max(max(r["completion_versions_max"]) for r in reports.values()) == 2
+    assert sum(r["shared_switches"] for r in reports.values()) <= 4  # versions 0-3 at most, each once

@@ -89,8 +89,13 @@ def main():
     if "--bf16" in sys.argv:
         settings["bf16"] = True
     in_flight = "--in-flight" in sys.argv
-    if in_flight:  # batch b >= 2 starts with version b - 2 and takes b - 1 after its third engine step
+    if in_flight and mode == "colocate":  # batch b >= 2 starts with version b - 2 and takes b - 1 after its 3rd step
         settings.update(in_flight_weight_updates=True, max_staleness=2, max_completion_length=12)
+    elif in_flight:  # long completions on a server that sleeps before each step: versions arrive mid-batch
+        settings.update(
+            in_flight_weight_updates=True, max_staleness=2, max_completion_length=96,
+            generation_kwargs={"ignore_eos": True},
+        )  # fmt: skip
     kill_pid, kill_step = option("--kill-server"), int(option("--kill-at-step", 0))
     if kill_pid is not None:
         settings.update(save_strategy="steps", save_steps=1, max_staleness=1)
@@ -119,7 +124,7 @@ def main():
     rank = trainer.accelerator.process_index
     report = {"rank": rank, "world_size": trainer.accelerator.num_processes}
     lockstep = None
-    if in_flight:
+    if in_flight and mode == "colocate":
         from vllm_lockstep import EngineLockstep
 
         lockstep = EngineLockstep(trainer, setattr, lag=2, num_batches=settings["max_steps"])
@@ -132,12 +137,15 @@ def main():
 
     trainer_module.make_training_batch = recording_make_training_batch
     batches = []  # (index, version, oldest allowed version, completion ids) of every batch, as the trainer takes them
+    token_versions = []  # each batch's token versions (with in_flight_weight_updates; -1 past a completion's end)
     get = BatchProducer.get
 
     def recording_get(producer):
         batch, waited = get(producer)
         completions = batch.tensors["completion_ids"].tolist()
         batches.append((batch.index, batch.version, producer.min_version(batch.index), completions))
+        if "token_versions" in batch.tensors:
+            token_versions.append(batch.tensors["token_versions"].tolist())
         return batch, waited
 
     BatchProducer.get = recording_get
@@ -201,14 +209,16 @@ def main():
         threads_alive=sorted(t.name for t in threading.enumerate()),
         **sharding(trainer),  # after train(): the Trainer prepares (shards) the model there
     )
+    if in_flight:
+        report["batch_token_versions"] = token_versions
+        report["in_flight_weight_loads"] = logged(trainer, "async/in_flight_weight_loads")
+        report["completion_versions_max"] = logged(trainer, "a3po/completion_versions_max")
     if lockstep is not None and "error" not in report:
         report["token_versions"] = [lockstep.token_versions[i].tolist() for i in sorted(lockstep.token_versions)]
         report["expected_token_versions"] = [
             lockstep.expected_versions(i).tolist() for i in sorted(lockstep.token_versions)
         ]
         report["start_versions"] = lockstep.start_versions
-        report["in_flight_weight_loads"] = logged(trainer, "async/in_flight_weight_loads")
-        report["completion_versions_max"] = logged(trainer, "a3po/completion_versions_max")
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
     if trainer._backend is not None:

@@ -56,7 +56,6 @@ from .errors import VLLMServerError
 from .sampling import VLLMSamplingSettings, completions_from_token_logprobs, row_seeds, sampling_fields
 from .server_in_flight import (
     IN_FLIGHT_SERVER_LORA_REFUSAL,
-    IN_FLIGHT_SHARED_SERVER_REFUSAL,
     InFlightServerLoads,
     check_in_flight_server,
     generate_in_flight,
@@ -152,8 +151,6 @@ class VLLMServerBackend(GenerationBackend):
         lora = active_lora(module)
         if lora is not None and in_flight:
             raise ValueError(IN_FLIGHT_SERVER_LORA_REFUSAL)
-        if shared is not None and in_flight:
-            raise NotImplementedError(IN_FLIGHT_SHARED_SERVER_REFUSAL)
         if lora is not None:
             self._adapter_name, self._peft_config = lora
             reason = unsupported_lora_reason(self._peft_config)
@@ -389,6 +386,8 @@ class VLLMServerBackend(GenerationBackend):
         """No block the older weights computed may serve a new request. With in-flight loads, a load may come while
         the batch's requests hold blocks, when vLLM cannot reset the cache: it is reset before the next batch
         (:meth:`_reset_stale_prefix_cache`)."""
+        if self._in_flight is not None and self._shared is not None:
+            return  # requests are salted with the version they start with (see .shared_server)
         if self._in_flight is not None:
             self._prefix_cache_stale = True
         else:
