@@ -320,17 +320,29 @@ class VLLMServerBackend(GenerationBackend):
         if self._labelled:
             check_server_version(self._get("/weight_info", self.request_timeout)["weight_version"], self.version, when)
 
-    def _switch_server_to(self, version: int) -> bool:
+    def _switch_server_to(self, version: int, at_pause=None) -> bool:
         """Shared server: write ``version`` as the file the server reloads, and reload it (this process is the one to
         switch the server; every process's copy of a version is the same, so only this one writes). Returns False,
         loading nothing, if this process no longer holds ``version`` (its main thread published a newer one since:
-        the caller then takes that)."""
+        the caller then takes that). With in-flight updates other processes' requests may be decoding: the server is
+        paused with them kept around the reload and its label (so no token is sampled between the two), and
+        ``at_pause()`` is called once it is paused."""
         with self.weights.holding(version) as held:
             if held is None:
                 return False
             self._write_weights_file(held[0])
-        self._reload_from_file()
-        self._set_label(version_label(version))
+        if self._in_flight is None:
+            self._reload_from_file()
+            self._set_label(version_label(version))
+            return True
+        self._post("/pause", self.sync_timeout, params={"mode": "keep", "clear_cache": "false"})
+        try:
+            if at_pause is not None:
+                at_pause()
+            self._reload_from_file()
+            self._set_label(version_label(version))
+        finally:
+            self._post("/resume", self.sync_timeout)
         return True
 
     def _load_adapter(self, weights, version: int) -> None:

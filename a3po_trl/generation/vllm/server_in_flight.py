@@ -230,28 +230,27 @@ class InFlightServerLoads:
         it and no process holds the lock (:meth:`~.shared_server.SharedServerVersions.try_load_newer`; every
         request any process sent has then been scheduled)."""
         backend, shared = self.backend, self.backend._shared
-        target, replaced = backend.published_version, shared.loaded_version()
-        if target <= replaced:
+        target = backend.published_version
+        if target <= shared.loaded_version():
             return False
-        received = []
+        paused = []  # (the version replaced, tokens received per completion) read while paused, under the lock
 
-        def pause_load_resume() -> bool:
-            backend._post("/pause", backend.sync_timeout, params={"mode": "keep", "clear_cache": "false"})
-            try:
-                received.append(streams.received())
-                return backend._switch_server_to(target)
-            finally:
-                backend._post("/resume", backend.sync_timeout)
+        def at_pause():
+            paused.append((shared.loaded_version(), streams.received()))
+
+        def load() -> bool:  # pauses the server (every process's requests kept), reloads, labels, resumes
+            return backend._switch_server_to(target, at_pause=at_pause)
 
         start = time.perf_counter()
-        if not shared.try_load_newer(target, pause_load_resume):
+        if not shared.try_load_newer(target, load):
             return False
         end = time.perf_counter()
-        loads.append((replaced, received[0], target))
+        replaced, received = paused[0]
+        loads.append((replaced, received, target))
         timings["in_flight_weight_load"] += end - start
         timings["in_flight_weight_loads"] += 1
         record_in_batch_span(
-            "in-flight weight load", start, end, tokens=sum(received[0]), replaced_version=replaced,
+            "in-flight weight load", start, end, tokens=sum(received), replaced_version=replaced,
             loaded_version=target,
         )  # fmt: skip
         return True
