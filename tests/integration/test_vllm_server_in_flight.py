@@ -13,16 +13,16 @@ import pytest
 import requests
 import torch
 from helpers import COMMON as TRAINER_COMMON
-from helpers import LOCKSTEP_TIMEOUT, SWITCH_AFTER, Lockstep, free_port, logged
+from helpers import SWITCH_AFTER, free_port, logged
 from in_flight_replay import LOGP_TOLERANCE, full_forward, long_prompts, moved, plain_copy, replay
 from tiny import length_reward, make_prompts, make_vllm_model
 from vllm_launch import launch_two_processes, start_server, wait_healthy
+from vllm_lockstep import EngineLockstep
 
 pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import a3po_trl.generation.vllm.server_in_flight as server_in_flight  # noqa: E402
-import a3po_trl.trainer  # noqa: E402
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -250,28 +250,18 @@ def test_weights_put_on_the_server_behind_the_backends_back_fail_the_batch(
         backend.close()
 
 
-class ServerLockstep(Lockstep):
+class ServerLockstep(EngineLockstep):
     """:class:`helpers.Lockstep` for the server: the moment every completion of a batch has streamed a token, the
     stream that saw it pauses the server (:class:`PauseWhenEveryCompletionStarted`); the generator's next look counts
     as its third forward (the trainer may go on) and, in a batch ``b >= lag``, waits for the next version, which the
     backend then loads before the server resumes. So batch ``b >= lag`` samples the tokens streamed before the pause
     with version ``b - lag`` and the rest with ``b - lag + 1``. So that a batch switches once only, the trainer also
-    takes batch ``j`` only once the generator has finished batch ``j + 1`` (as ``EngineLockstep`` of the colocate
-    tests)."""
+    takes batch ``j`` only once the generator has finished batch ``j + 1`` (as :class:`EngineLockstep`, whose gate
+    this keeps; the hook on the generator is the server's)."""
 
     def __init__(self, trainer, setattr_fn, lag, num_batches, url):
         self.pause = PauseWhenEveryCompletionStarted(url, setattr_fn)
-        self.finished = [threading.Event() for _ in range(num_batches)]
         super().__init__(trainer, setattr_fn, lag, num_batches)
-        gated = a3po_trl.trainer.make_training_batch
-
-        def after_the_next_batch(trainer, scored, *args):
-            following = scored.index + 1
-            if following < len(self.finished) and not self.finished[following].wait(LOCKSTEP_TIMEOUT):
-                raise RuntimeError(f"the generator did not finish batch {following}")
-            return gated(trainer, scored, *args)
-
-        setattr_fn(a3po_trl.trainer, "make_training_batch", after_the_next_batch)
 
     def hook_generator(self, backend) -> None:
         maybe_load = backend._in_flight.maybe_load

@@ -230,9 +230,7 @@ class SharedServerVersions:
         try:
             if self._get_int("loaded") >= version or not load():
                 return False
-            self._set_int("loaded", version)
-            self._set_int(f"loaded/{version}", 1)
-            self.switches += 1
+            self._loaded(version)
             return True
         finally:
             self.store.set(key, "")
@@ -272,12 +270,16 @@ class SharedServerVersions:
                 return False
             if not load():
                 return False  # this process no longer holds the version (it published a newer one)
-            self._set_int("loaded", version)
-            self._set_int(f"loaded/{version}", 1)
-            self.switches += 1
+            self._loaded(version)
             return True
         finally:
             self.store.set(key, "")
+
+    def _loaded(self, version: int) -> None:
+        """This process (holding the lock) loaded ``version`` into the server."""
+        self._set_int("loaded", version)
+        self._set_int(f"loaded/{version}", 1)
+        self.switches += 1
 
     def _check_failed(self) -> None:
         key = self._key("failed")
