@@ -108,10 +108,11 @@ class AsyncA3POConfig(GRPOConfig):
             behavior log-prob is the one those weights gave it; the KV cache of the earlier tokens stays as the
             earlier weights computed it (see docs/ARCHITECTURE.md), and the loss stales each token by its own version.
             `max_staleness` still bounds every token (a sample's oldest token is its first). Supported with the
-            `generate` backend (`use_vllm=False`, between decode steps) and vLLM colocate with full weights (between
-            engine steps), with `behavior_logps_source="generation"` and `async_generation=True`; refused with a vLLM
-            server, LoRA on vLLM, `reproducible_generation=True` (the switch points depend on timing) and a
-            `rollout_func`.
+            `generate` backend (`use_vllm=False`, between decode steps), vLLM colocate with full weights (between
+            engine steps) and a vLLM server with full weights (its pause with requests kept / load / resume, also when
+            several training processes share it), with `behavior_logps_source="generation"` and
+            `async_generation=True`; refused with LoRA on vLLM, a server without vLLM's dev-mode and token routes,
+            `reproducible_generation=True` (the switch points depend on timing) and a `rollout_func`.
         generation_device (`str` or `None`, *optional*, defaults to `None`):
             Device of the generator's copy of the weights, e.g. `"cuda:1"`. `None` uses the training device. On
             another device, frozen weights cannot be shared and are copied too.
@@ -268,8 +269,8 @@ class AsyncA3POConfig(GRPOConfig):
         default=False,
         metadata={
             "help": "Load a version published while a batch is being generated at the next decode step and continue "
-            "the batch with it; every token records the version that sampled it (generate backend, and vLLM "
-            "colocate with full weights)."
+            "the batch with it; every token records the version that sampled it (generate backend; vLLM colocate or "
+            "server with full weights)."
         },
     )
     generation_device: str | None = field(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 
 from datasets import IterableDataset
 from torch import nn
@@ -19,7 +18,7 @@ from .generation.hf.continuous_batching import (
 )
 from .generation.hf.sampling import processed_sampling, samples_with_own_stream, sampling_deviations
 from .generation.vllm.in_flight import IN_FLIGHT_LORA_REFUSAL
-from .generation.vllm.server_in_flight import IN_FLIGHT_SERVER_LORA_REFUSAL, IN_FLIGHT_SHARED_SERVER_REFUSAL
+from .generation.vllm.server_in_flight import IN_FLIGHT_SERVER_LORA_REFUSAL
 from .patches import peft_base_model
 
 logger = logging.getLogger(__name__)
@@ -151,8 +150,6 @@ def check_in_flight_updates(args, kwargs: dict) -> None:
         raise NotImplementedError(
             IN_FLIGHT_SERVER_LORA_REFUSAL if args.vllm_mode == "server" else IN_FLIGHT_LORA_REFUSAL
         )
-    if args.use_vllm and args.vllm_mode == "server" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise NotImplementedError(IN_FLIGHT_SHARED_SERVER_REFUSAL)  # (the backend refuses it too, when it is built)
     if getattr(args, "behavior_logps_source", "generation") != "generation":
         raise ValueError(
             f"{prefix} needs behavior_logps_source='generation': each token's behavior log-prob must be the one the "

@@ -1,4 +1,5 @@
-"""Starting a `trl vllm-serve` server for the vLLM tests (test_vllm.py, test_fsdp2_vllm.py)."""
+"""Starting a `trl vllm-serve` server for the vLLM tests (test_vllm.py, test_fsdp2_vllm.py,
+test_vllm_server_in_flight.py), and two training processes generating with vLLM (tests/scripts/distributed_vllm.py)."""
 
 import os
 import time
@@ -46,3 +47,37 @@ def wait_healthy(process, url, log_path, timeout=300):
             pass
         time.sleep(1)
     raise RuntimeError(f"vLLM server not healthy after {timeout} s: {open(log_path).read()[-3000:]}")
+
+
+def launch_two_processes(tmp_path, model_dir, mode, *extra, timeout=900):
+    """``tests/scripts/distributed_vllm.py`` under ``accelerate launch`` with two CPU processes (gloo): the
+    launcher's result, its wall time and each rank's report (a rank that was killed writes none)."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import free_port
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    config = tmp_path / "ddp.yaml"
+    config.write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_processes: 2\ngpu_ids: all\n"
+        f"mixed_precision: 'no'\nnum_machines: 1\nmachine_rank: 0\nmain_process_port: {free_port()}\n"
+    )
+    script = os.path.join(root, "tests", "scripts", "distributed_vllm.py")
+    out = tmp_path / "out"
+    out.mkdir()
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), script, str(out),
+        str(model_dir), mode, *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    start = time.monotonic()
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=root)
+    seconds = time.monotonic() - start
+    reports = {
+        rank: json.loads((out / f"rank{rank}.json").read_text())
+        for rank in range(2)
+        if (out / f"rank{rank}.json").exists()
+    }
+    return result, seconds, reports

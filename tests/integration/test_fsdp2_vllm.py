@@ -32,8 +32,8 @@ kernels differ by; measured ~1e-6)."""
 STEPS = 3
 
 
-def _launch(tmp_path, model_dir, mode, *extra, timeout=900, mixed_precision="no"):
-    args = [str(model_dir), mode, "--fsdp2", "--steps", str(STEPS), *extra]
+def _launch(tmp_path, model_dir, mode, *extra, timeout=900, mixed_precision="no", steps=STEPS):
+    args = [str(model_dir), mode, "--fsdp2", "--steps", str(steps), *extra]
     result, out = launch_fsdp2(tmp_path, SCRIPT, *args, timeout=timeout, mixed_precision=mixed_precision)
     reports = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
     errors = [r["traceback"] for r in reports if "error" in r]  # a rank's own error, else the launcher's output
@@ -72,6 +72,22 @@ def test_fsdp2_colocated_engines_start_from_a_gathered_copy_and_follow_every_ver
         assert os.path.basename(engine["path"]).startswith("a3po-vllm-model-")
         assert {"config.json", "model.safetensors.index.json", "model-00001.safetensors"} <= set(engine["files"])
         assert (r["lora_request"] is not None) == lora  # LoRA: each version an adapter on the gathered base
+
+
+def test_fsdp2_colocated_engines_load_versions_mid_batch_on_every_process(tmp_path):
+    """in_flight_weight_updates with an engine per process under FSDP2 (full weights): with the switch points fixed by
+    the schedule, every process's batches 2 and 3 switch, between two engine steps, from the version they started with
+    to the next one (published by every process from the gathered shards), each token tagged with vLLM's own label."""
+    reports = _launch(tmp_path, "unused", "colocate", "--unsaved", "--in-flight", steps=4)
+    for r in reports:
+        assert r["global_step"] == 4 and r["distributed_type"] == "DistributedType.FSDP"
+        assert r["start_versions"] == {"0": 0, "1": 0, "2": 0, "3": 1}
+        assert r["token_versions"] == r["expected_token_versions"]
+        for index in (2, 3):
+            assert {v for row in r["token_versions"][index] for v in row if v >= 0} == {index - 2, index - 1}
+        assert r["in_flight_weight_loads"] == [0.0, 0.0, 1.0, 1.0]
+        assert r["completion_versions_max"] == [1.0, 1.0, 2.0, 2.0]
+        assert r["max_staleness_seen"] == 2  # the bound, on the oldest tokens
 
 
 BF16_LOGP_TOLERANCE = 0.05

@@ -15,7 +15,7 @@ import torch
 from helpers import COMMON as TRAINER_COMMON
 from helpers import free_port, logged
 from tiny import length_reward, make_prompts, make_tokenizer, make_vllm_model
-from vllm_launch import start_server, wait_healthy
+from vllm_launch import launch_two_processes, start_server, wait_healthy
 
 pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -369,38 +369,6 @@ def test_training_against_the_server_with_lora_keeps_the_staleness_bound(tokeniz
     trainer._backend.close()
 
 
-def _launch_two_processes(tmp_path, model_dir, mode, *extra, timeout=900):
-    """``tests/scripts/distributed_vllm.py`` under ``accelerate launch`` with two CPU processes (gloo): the
-    launcher's result, its wall time and each rank's report (a rank that was killed writes none)."""
-    import json
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-    config = tmp_path / "ddp.yaml"
-    config.write_text(
-        "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_processes: 2\ngpu_ids: all\n"
-        f"mixed_precision: 'no'\nnum_machines: 1\nmachine_rank: 0\nmain_process_port: {free_port()}\n"
-    )
-    script = os.path.join(root, "tests", "scripts", "distributed_vllm.py")
-    out = tmp_path / "out"
-    out.mkdir()
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), script, str(out),
-        str(model_dir), mode, *extra,
-    ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    start = time.monotonic()
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=root)
-    seconds = time.monotonic() - start
-    reports = {
-        rank: json.loads((out / f"rank{rank}.json").read_text())
-        for rank in range(2)
-        if (out / f"rank{rank}.json").exists()
-    }
-    return result, seconds, reports
-
-
 def _check_two_process_run(result, reports):
     """Both processes trained 3 steps on their own batches within the staleness bound, their engines' log-probs of
     the sampled tokens match the trainer's for each version, and the advantages are GRPOTrainer's over both
@@ -437,7 +405,7 @@ def saved_model(tmp_path_factory, tokenizer):
 def test_two_training_processes_each_generate_with_their_own_colocated_engine(tmp_path, saved_model, lora):
     """DDP on two CPU processes (gloo), vllm_mode='colocate': an in-process engine per process, loaded with that
     process's published versions."""
-    result, _, reports = _launch_two_processes(tmp_path, saved_model, "colocate", *(["--lora"] if lora else []))
+    result, _, reports = launch_two_processes(tmp_path, saved_model, "colocate", *(["--lora"] if lora else []))
     _check_two_process_run(result, reports)
 
 
@@ -445,9 +413,7 @@ def test_two_training_processes_each_generate_with_their_own_colocated_engine(tm
 def test_an_engine_failing_in_one_process_ends_both_processes(tmp_path, saved_model):
     """Process 1's engine raises on its second batch: that process's train() raises naming the cause, and the other
     process, left waiting in a collective, ends too instead of hanging."""
-    result, seconds, reports = _launch_two_processes(
-        tmp_path, saved_model, "colocate", "--fail-rank", "1", timeout=600
-    )
+    result, seconds, reports = launch_two_processes(tmp_path, saved_model, "colocate", "--fail-rank", "1", timeout=600)
     assert result.returncode != 0
     assert "engine failure injected in process 1" in reports[1]["error"]
     assert "a3po-generation" not in reports[1]["threads_alive"]
@@ -457,7 +423,7 @@ def test_an_engine_failing_in_one_process_ends_both_processes(tmp_path, saved_mo
 @pytest.mark.slow
 def test_two_training_processes_share_one_server_with_their_own_adapters(tmp_path, vllm_server):
     """DDP on two CPU processes (gloo), one server: each process loads its own adapter per version."""
-    result, _, reports = _launch_two_processes(
+    result, _, reports = launch_two_processes(
         tmp_path, vllm_server["model"], "server", "--url", vllm_server["url"], "--lora"
     )
     _check_two_process_run(result, reports)
@@ -502,7 +468,7 @@ def test_two_training_processes_share_one_full_weight_server(tmp_path, vllm_serv
     once, loaded by whichever process needed it first; reproducibly, every batch by exactly its scheduled version, and
     a second run samples the same completions."""
     extra, url = ["--reproducible"] if reproducible else [], vllm_server["url"]
-    result, _, reports = _launch_two_processes(tmp_path, vllm_server["model"], "server", "--url", url, *extra)
+    result, _, reports = launch_two_processes(tmp_path, vllm_server["model"], "server", "--url", url, *extra)
     _check_two_process_run(result, reports)
     used = {version for r in reports.values() for _, version, _, _ in r["batches"]}
     assert sum(r["shared_switches"] for r in reports.values()) == len(used)  # forward only: each version loaded once
@@ -513,7 +479,7 @@ def test_two_training_processes_share_one_full_weight_server(tmp_path, vllm_serv
             assert [version for _, version, _, _ in r["batches"]] == [needed for _, _, needed, _ in r["batches"]]
     if reproducible:  # the same completions again, although the server batches the processes' requests differently
         (tmp_path / "again").mkdir()
-        again = _launch_two_processes(tmp_path / "again", vllm_server["model"], "server", "--url", url, *extra)[2]
+        again = launch_two_processes(tmp_path / "again", vllm_server["model"], "server", "--url", url, *extra)[2]
         for rank in range(2):
             assert [b[3] for b in again[rank]["batches"]] == [b[3] for b in reports[rank]["batches"]]
 
@@ -522,7 +488,7 @@ def test_two_training_processes_share_one_full_weight_server(tmp_path, vllm_serv
 def test_a_generation_failing_in_one_process_sharing_a_full_weight_server_ends_both(tmp_path, vllm_server):
     """Process 1's generation raises on its second batch while process 0 may be waiting for it to finish with the
     server's version: both processes end (process 1 naming the cause), no rank left waiting."""
-    result, seconds, reports = _launch_two_processes(
+    result, seconds, reports = launch_two_processes(
         tmp_path, vllm_server["model"], "server", "--url", vllm_server["url"], "--fail-rank", "1", timeout=600
     )
     assert result.returncode != 0
@@ -653,7 +619,7 @@ def test_a_shared_full_weight_server_killed_mid_run_ends_both_processes_within_s
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(server, url, tmp_path / "server.log")
-        result, _, reports = _launch_two_processes(
+        result, _, reports = launch_two_processes(
             tmp_path, model_dir, "server", "--url", url, "--steps", "8", "--kill-server", str(server.pid),
             "--kill-at-step", "2", timeout=600,
         )  # fmt: skip

@@ -7,19 +7,18 @@ per token. What the engine cannot do with it (LoRA adapters, a server) is refuse
 """
 
 import os
-import threading
 
 import pytest
 import torch
 from helpers import COMMON as TRAINER_COMMON
-from helpers import LOCKSTEP_TIMEOUT, SWITCH_AFTER, Lockstep, logged
+from helpers import SWITCH_AFTER, logged
 from in_flight_replay import LOGP_TOLERANCE, full_forward, long_prompts, moved, plain_copy, replay
 from tiny import length_reward, make_prompts, make_tokenizer, make_vllm_model
+from vllm_lockstep import EngineLockstep, StepHook
 
 pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-import a3po_trl.trainer  # noqa: E402
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -59,34 +58,6 @@ def engine(tokenizer, tmp_path_factory):
         yield trainer, backend
     finally:
         backend.close()
-
-
-class StepHook:
-    """Wraps the engine's ``step``: counts the engine steps of a batch, calls ``after(step)`` after each, and keeps
-    the finished ``RequestOutput``s by request id."""
-
-    def __init__(self, backend, after):
-        self.engine = backend.llm.llm_engine
-        self.steps, self.finished, self.after = 0, {}, after
-        step = self.engine.step
-
-        def stepping():
-            outputs = step()
-            self.steps += 1
-            for output in outputs:
-                if output.finished:
-                    self.finished[output.request_id] = output
-            self.after(self.steps)
-            return outputs
-
-        self.engine.step = stepping
-
-    def remove(self):
-        del self.engine.step
-
-    def in_order(self):
-        """The finished outputs in the order of the batch's prompts (request ids end with the prompt's index)."""
-        return [self.finished[r] for r in sorted(self.finished, key=lambda r: int(r.rsplit("-", 1)[1]))]
 
 
 def test_a_version_published_mid_batch_is_loaded_between_engine_steps_with_each_tokens_label_and_logprob(engine):
@@ -196,37 +167,6 @@ def test_training_with_in_flight_loads_tags_every_token_and_logs_the_metrics(tok
     assert all(t > 0 for t in logged(trainer, "async/in_flight_weight_load_time")[2:])
     assert max(logged(trainer, "a3po/staleness_max")) == 2.0  # the bound, on the oldest tokens
     assert all(0 < m < 2 for m in logged(trainer, "a3po/staleness_mean")[2:])  # per token: 2 and 1 mixed
-
-
-class EngineLockstep(Lockstep):
-    """:class:`helpers.Lockstep` for the colocated engine: a batch's "forward" is an engine step, counted after it
-    ran, so the generator waits for the next version after the third step and loads it before the fourth. The engine
-    steps fast: so that a batch switches once only, the trainer also takes batch ``j`` only once the generator has
-    finished batch ``j + 1`` (the version it publishes after batch ``j`` cannot reach batch ``j + 1`` mid-way)."""
-
-    def __init__(self, trainer, setattr_fn, lag: int, num_batches: int):
-        self.finished = [threading.Event() for _ in range(num_batches)]
-        super().__init__(trainer, setattr_fn, lag, num_batches)
-        gated = a3po_trl.trainer.make_training_batch
-
-        def after_the_next_batch(trainer, scored, *args):
-            following = scored.index + 1
-            if following < len(self.finished) and not self.finished[following].wait(LOCKSTEP_TIMEOUT):
-                raise RuntimeError(f"the generator did not finish batch {following}")
-            return gated(trainer, scored, *args)
-
-        setattr_fn(a3po_trl.trainer, "make_training_batch", after_the_next_batch)
-
-    def hook_generator(self, backend) -> None:
-        StepHook(backend, lambda step: self._generator_forward())
-        generate = backend.generate
-
-        def generate_and_tell(*args, **kwargs):
-            generated = generate(*args, **kwargs)
-            self.finished[self._batch].set()
-            return generated
-
-        backend.generate = generate_and_tell
 
 
 def test_a_peft_model_is_refused_by_the_backend_before_the_engine_starts(tokenizer, tmp_path):

@@ -13,16 +13,16 @@ import pytest
 import requests
 import torch
 from helpers import COMMON as TRAINER_COMMON
-from helpers import LOCKSTEP_TIMEOUT, SWITCH_AFTER, Lockstep, free_port, logged
+from helpers import SWITCH_AFTER, free_port, logged
 from in_flight_replay import LOGP_TOLERANCE, full_forward, long_prompts, moved, plain_copy, replay
 from tiny import length_reward, make_prompts, make_vllm_model
-from vllm_launch import start_server, wait_healthy
+from vllm_launch import launch_two_processes, start_server, wait_healthy
+from vllm_lockstep import EngineLockstep
 
 pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import a3po_trl.generation.vllm.server_in_flight as server_in_flight  # noqa: E402
-import a3po_trl.trainer  # noqa: E402
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -250,28 +250,18 @@ def test_weights_put_on_the_server_behind_the_backends_back_fail_the_batch(
         backend.close()
 
 
-class ServerLockstep(Lockstep):
+class ServerLockstep(EngineLockstep):
     """:class:`helpers.Lockstep` for the server: the moment every completion of a batch has streamed a token, the
     stream that saw it pauses the server (:class:`PauseWhenEveryCompletionStarted`); the generator's next look counts
     as its third forward (the trainer may go on) and, in a batch ``b >= lag``, waits for the next version, which the
     backend then loads before the server resumes. So batch ``b >= lag`` samples the tokens streamed before the pause
     with version ``b - lag`` and the rest with ``b - lag + 1``. So that a batch switches once only, the trainer also
-    takes batch ``j`` only once the generator has finished batch ``j + 1`` (as ``EngineLockstep`` of the colocate
-    tests)."""
+    takes batch ``j`` only once the generator has finished batch ``j + 1`` (as :class:`EngineLockstep`, whose gate
+    this keeps; the hook on the generator is the server's)."""
 
     def __init__(self, trainer, setattr_fn, lag, num_batches, url):
         self.pause = PauseWhenEveryCompletionStarted(url, setattr_fn)
-        self.finished = [threading.Event() for _ in range(num_batches)]
         super().__init__(trainer, setattr_fn, lag, num_batches)
-        gated = a3po_trl.trainer.make_training_batch
-
-        def after_the_next_batch(trainer, scored, *args):
-            following = scored.index + 1
-            if following < len(self.finished) and not self.finished[following].wait(LOCKSTEP_TIMEOUT):
-                raise RuntimeError(f"the generator did not finish batch {following}")
-            return gated(trainer, scored, *args)
-
-        setattr_fn(a3po_trl.trainer, "make_training_batch", after_the_next_batch)
 
     def hook_generator(self, backend) -> None:
         maybe_load = backend._in_flight.maybe_load
@@ -330,3 +320,24 @@ def test_training_against_the_server_with_in_flight_loads_tags_every_token_and_l
     assert all(t > 0 for t in logged(trainer, "async/in_flight_weight_load_time")[2:])
     assert max(logged(trainer, "a3po/staleness_max")) == 2.0  # the bound, on the oldest tokens
     assert all(0 < m < 2 for m in logged(trainer, "a3po/staleness_mean")[2:])  # per token: 2 and 1 mixed
+
+
+def test_two_training_processes_share_the_server_and_load_versions_into_it_mid_batch(tmp_path, vllm_server):
+    """A server shared by two training processes (.shared_server): whichever process finds a version both published
+    loads it mid-batch, with every request of both kept; each process's tokens carry the server's labels (versions
+    loaded by either process), never going back within a completion, within the staleness bound."""
+    url = vllm_server["url"]
+    result, _, reports = launch_two_processes(tmp_path, vllm_server["model"], "server", "--url", url, "--in-flight")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    assert sorted(reports) == [0, 1]
+    for r in reports.values():
+        assert "error" not in r, r.get("traceback")
+        assert r["global_step"] == 3 and r["max_staleness_seen"] <= 2
+        for batch, (_, version, oldest, _) in zip(r["batch_token_versions"], r["batches"]):
+            for row in batch:
+                tagged = [v for v in row if v >= 0]
+                assert tagged and tagged == sorted(tagged) and tagged[0] >= version >= oldest, row
+    # the server is slowed to 20 ms a step and completions run 96 tokens: versions are published mid-batch
+    assert sum(sum(r["in_flight_weight_loads"]) for r in reports.values()) >= 1
+    assert max(max(r["completion_versions_max"]) for r in reports.values()) == 2
+    assert sum(r["shared_switches"] for r in reports.values()) <= 4  # versions 0-3 at most, each once

@@ -3,7 +3,7 @@ server shared by both.
 
 accelerate launch --config_file CONFIG tests/scripts/distributed_vllm.py OUT_DIR MODEL_DIR MODE [--url URL] [--lora]
     [--fail-rank R] [--reproducible] [--steps N] [--kill-server PID --kill-at-step S] [--fsdp2] [--unsaved] [--dora]
-    [--staleness K] [--bf16]
+    [--staleness K] [--bf16] [--in-flight]
 
 MODE is ``colocate`` or ``server``. ``--fail-rank R``: process R's engine raises on its second batch (a fault in one
 process). ``--kill-server PID --kill-at-step S``: process 0 kills the server's process group once checkpoint S is
@@ -12,7 +12,9 @@ tests/fsdp_cpu.py (the report says how many parameters are sharded). ``--unsaved
 checkpoint directory: the colocated engine starts from a copy the trainer writes). ``--dora``: a LoRA config vLLM
 cannot serve as an adapter (merged into a private copy). ``--bf16``: bf16 mixed precision (launched with
 ``mixed_precision: bf16`` too); the report gives the dtypes of the trainable weights, the engine and the staging
-buffers. One JSON report per rank, written also when training fails.
+buffers. ``--in-flight``: ``in_flight_weight_updates=True`` (colocate, full weights) with the switch points fixed by
+the schedule (``vllm_lockstep.EngineLockstep``, lag 2, 4 steps): the report holds each batch's token versions and the
+ones the schedule fixes. One JSON report per rank, written also when training fails.
 """
 
 import json
@@ -25,7 +27,7 @@ import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from helpers import distributed_script_config  # noqa: E402
+from helpers import distributed_script_config, logged  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 from tiny import length_reward, make_prompts, make_tokenizer, make_vllm_model  # noqa: E402
 from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
@@ -86,6 +88,14 @@ def main():
         settings["reproducible_generation"] = True
     if "--bf16" in sys.argv:
         settings["bf16"] = True
+    in_flight = "--in-flight" in sys.argv
+    if in_flight and mode == "colocate":  # batch b >= 2 starts with version b - 2 and takes b - 1 after its 3rd step
+        settings.update(in_flight_weight_updates=True, max_staleness=2, max_completion_length=12)
+    elif in_flight:  # long completions on a server that sleeps before each step: versions arrive mid-batch
+        settings.update(
+            in_flight_weight_updates=True, max_staleness=2, max_completion_length=96,
+            generation_kwargs={"ignore_eos": True},
+        )  # fmt: skip
     kill_pid, kill_step = option("--kill-server"), int(option("--kill-at-step", 0))
     if kill_pid is not None:
         settings.update(save_strategy="steps", save_steps=1, max_staleness=1)
@@ -113,6 +123,11 @@ def main():
     )
     rank = trainer.accelerator.process_index
     report = {"rank": rank, "world_size": trainer.accelerator.num_processes}
+    lockstep = None
+    if in_flight and mode == "colocate":
+        from vllm_lockstep import EngineLockstep
+
+        lockstep = EngineLockstep(trainer, setattr, lag=2, num_batches=settings["max_steps"])
     make_training_batch = trainer_module.make_training_batch
 
     def recording_make_training_batch(*args, **kwargs):
@@ -122,12 +137,15 @@ def main():
 
     trainer_module.make_training_batch = recording_make_training_batch
     batches = []  # (index, version, oldest allowed version, completion ids) of every batch, as the trainer takes them
+    token_versions = []  # each batch's token versions (with in_flight_weight_updates; -1 past a completion's end)
     get = BatchProducer.get
 
     def recording_get(producer):
         batch, waited = get(producer)
         completions = batch.tensors["completion_ids"].tolist()
         batches.append((batch.index, batch.version, producer.min_version(batch.index), completions))
+        if "token_versions" in batch.tensors:
+            token_versions.append(batch.tensors["token_versions"].tolist())
         return batch, waited
 
     BatchProducer.get = recording_get
@@ -191,6 +209,16 @@ def main():
         threads_alive=sorted(t.name for t in threading.enumerate()),
         **sharding(trainer),  # after train(): the Trainer prepares (shards) the model there
     )
+    if in_flight:
+        report["batch_token_versions"] = token_versions
+        report["in_flight_weight_loads"] = logged(trainer, "async/in_flight_weight_loads")
+        report["completion_versions_max"] = logged(trainer, "a3po/completion_versions_max")
+    if lockstep is not None and "error" not in report:
+        report["token_versions"] = [lockstep.token_versions[i].tolist() for i in sorted(lockstep.token_versions)]
+        report["expected_token_versions"] = [
+            lockstep.expected_versions(i).tolist() for i in sorted(lockstep.token_versions)
+        ]
+        report["start_versions"] = lockstep.start_versions
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
     if trainer._backend is not None:

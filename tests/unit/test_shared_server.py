@@ -268,3 +268,139 @@ def test_a_process_does_not_use_the_held_version_while_another_switches_the_serv
     finish.set()
     switcher.join(5)
     assert b.acquire(1, server.loader(1)) and server.loads == [0, 1]
+
+
+# ---- in-flight weight updates: loads mid-batch, salted requests ---------------------------------------------------
+
+
+class SaltedServer:
+    """A server whose requests look the prefix cache up some time after they are sent: records, for every request,
+    the version its salt names and the version the server holds when it looks up."""
+
+    def __init__(self):
+        self.version = 0
+        self.loads: list[int] = []
+        self.lookups: list[tuple[int, int]] = []  # (salt version, server version at the lookup)
+        self.lock = threading.Lock()
+
+    def loader(self, version):
+        def load():
+            time.sleep(random.uniform(0, 0.002))
+            with self.lock:
+                self.version = version
+                self.loads.append(version)
+            return True
+
+        return load
+
+    def submit(self, salt_version, requests):
+        """Send ``requests`` requests; each is scheduled (looks up) after a short delay; returns once all were."""
+        for _ in range(requests):
+            time.sleep(random.uniform(0, 0.001))
+            self.lookups.append((salt_version, self.version))
+
+
+def run_in_flight_processes(world_size, num_batches, seed):
+    """Every process publishes a version after each of its batches and generates ``num_batches`` batches: each sends
+    its requests salted with the version :meth:`begin_submission` returned, releases the lock once they are all
+    scheduled, then, while its batch decodes, tries to load the newest version every process published."""
+    random.seed(seed)
+    store, server = dist.HashStore(), SaltedServer()
+    coordinators = [SharedServerVersions(store, rank, world_size, poll_interval=0.0005) for rank in range(world_size)]
+    for coordinator in coordinators:
+        coordinator.reset()
+        coordinator.published(0)
+        coordinator.release(None)  # between batches: any version will do
+    assert coordinators[0].acquire(0, server.loader(0))
+    errors, seen = [], {rank: [] for rank in range(world_size)}
+
+    def process(rank):
+        coordinator = coordinators[rank]
+        try:
+            for index in range(num_batches):
+                start = coordinator.begin_submission()
+                server.submit(start, random.randint(1, 4))
+                coordinator.end_submission()
+                for _ in range(3):  # decode steps, with a look for a newer version between them
+                    time.sleep(random.uniform(0, 0.002))
+                    coordinator.try_load_newer(index, server.loader(index))
+                seen[rank].append((start, coordinator.loaded_version()))
+                coordinator.published(index + 1)
+        except BaseException as error:  # noqa: BLE001 - reported by the test
+            errors.append(error)
+
+    threads = [threading.Thread(target=process, args=(rank,)) for rank in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads), "a process is still waiting: deadlock"
+    assert not errors, errors
+    return server, coordinators, seen
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_in_flight_loads_never_fall_between_a_requests_salt_and_its_prefix_lookup(world_size, seed):
+    """Loads mid-batch by any process: the server moves forward only, each version once and only once every process
+    published it, and every request looks the cache up while the server holds the version its salt names (so a block
+    older weights computed never serves a request sent after the load)."""
+    server, coordinators, seen = run_in_flight_processes(world_size, 8, seed)
+    assert server.lookups and all(salt == held for salt, held in server.lookups), server.lookups[:5]
+    assert server.loads == sorted(set(server.loads)) and len(server.loads) > 2
+    assert all(coordinators[0].was_loaded(v) for v in server.loads)
+    for versions in seen.values():
+        assert all(start <= end for start, end in versions)
+
+
+def test_a_load_mid_batch_waits_for_every_process_to_publish_and_for_the_lock():
+    server, (a, b) = processes_between_batches(0)
+    assert a.acquire(0, server.loader(0))
+    a.published(1)
+    assert not a.try_load_newer(1, server.loader(1))  # b has not published 1
+    b.published(1)
+    assert b.begin_submission() == 0  # b's requests are being scheduled: no load until they all are
+    assert not a.try_load_newer(1, server.loader(1))
+    b.end_submission()
+    assert not a.was_loaded(1)
+    assert a.try_load_newer(1, server.loader(1)) and server.loads == [0, 1]
+    assert a.loaded_version() == 1 and b.was_loaded(1) and b.was_loaded(0)
+    assert not b.try_load_newer(1, server.loader(1))  # already held: nothing loaded twice
+    assert b.begin_submission() == 1
+    b.end_submission()
+
+
+def test_a_submission_waits_for_a_load_and_salts_name_the_run_round_and_version():
+    server, (a, b) = processes_between_batches(0)
+    assert a.acquire(0, server.loader(0))
+    for coordinator in (a, b):
+        coordinator.published(1)
+    loading = threading.Event()
+
+    def slow_load():
+        loading.set()
+        time.sleep(0.05)
+        return server.loader(1)()
+
+    loader = threading.Thread(target=lambda: a.try_load_newer(1, slow_load))
+    loader.start()
+    loading.wait(5)
+    assert b.begin_submission() == 1  # waited for the load in progress
+    b.end_submission()
+    loader.join(5)
+    assert a.cache_salt(1) == b.cache_salt(1) != b.cache_salt(0)
+    other_run, _ = processes_between_batches(0)[1]
+    assert other_run.cache_salt(1) != a.cache_salt(1)  # another run's version 1 is other weights
+    a.reset()
+    assert a.cache_salt(1) != b.cache_salt(1)  # a new round (train() again, a resume) may go back in versions
+
+
+def test_a_submission_wait_ends_when_the_trainer_stops_or_the_holder_dies():
+    server, (a, b) = processes_between_batches(0, liveness_timeout=0.3, heartbeat_interval=0.05)
+    assert a.begin_submission() == -1
+    with pytest.raises(GenerationStopped):
+        b.begin_submission(should_stop=lambda: True)
+    a.close()
+    a._closed.set()  # its heartbeat stops too: it died holding the lock
+    with pytest.raises(SharedServerError, match="Training process 0"):
+        b.begin_submission()

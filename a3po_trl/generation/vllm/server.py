@@ -56,7 +56,6 @@ from .errors import VLLMServerError
 from .sampling import VLLMSamplingSettings, completions_from_token_logprobs, row_seeds, sampling_fields
 from .server_in_flight import (
     IN_FLIGHT_SERVER_LORA_REFUSAL,
-    IN_FLIGHT_SHARED_SERVER_REFUSAL,
     InFlightServerLoads,
     check_in_flight_server,
     generate_in_flight,
@@ -152,8 +151,6 @@ class VLLMServerBackend(GenerationBackend):
         lora = active_lora(module)
         if lora is not None and in_flight:
             raise ValueError(IN_FLIGHT_SERVER_LORA_REFUSAL)
-        if shared is not None and in_flight:
-            raise NotImplementedError(IN_FLIGHT_SHARED_SERVER_REFUSAL)
         if lora is not None:
             self._adapter_name, self._peft_config = lora
             reason = unsupported_lora_reason(self._peft_config)
@@ -323,17 +320,29 @@ class VLLMServerBackend(GenerationBackend):
         if self._labelled:
             check_server_version(self._get("/weight_info", self.request_timeout)["weight_version"], self.version, when)
 
-    def _switch_server_to(self, version: int) -> bool:
+    def _switch_server_to(self, version: int, at_pause=None) -> bool:
         """Shared server: write ``version`` as the file the server reloads, and reload it (this process is the one to
         switch the server; every process's copy of a version is the same, so only this one writes). Returns False,
         loading nothing, if this process no longer holds ``version`` (its main thread published a newer one since:
-        the caller then takes that)."""
+        the caller then takes that). With in-flight updates other processes' requests may be decoding: the server is
+        paused with them kept around the reload and its label (so no token is sampled between the two), and
+        ``at_pause()`` is called once it is paused."""
         with self.weights.holding(version) as held:
             if held is None:
                 return False
             self._write_weights_file(held[0])
-        self._reload_from_file()
-        self._set_label(version_label(version))
+        if self._in_flight is None:
+            self._reload_from_file()
+            self._set_label(version_label(version))
+            return True
+        self._post("/pause", self.sync_timeout, params={"mode": "keep", "clear_cache": "false"})
+        try:
+            if at_pause is not None:
+                at_pause()
+            self._reload_from_file()
+            self._set_label(version_label(version))
+        finally:
+            self._post("/resume", self.sync_timeout)
         return True
 
     def _load_adapter(self, weights, version: int) -> None:
@@ -389,6 +398,8 @@ class VLLMServerBackend(GenerationBackend):
         """No block the older weights computed may serve a new request. With in-flight loads, a load may come while
         the batch's requests hold blocks, when vLLM cannot reset the cache: it is reset before the next batch
         (:meth:`_reset_stale_prefix_cache`)."""
+        if self._in_flight is not None and self._shared is not None:
+            return  # requests are salted with the version they start with (see .shared_server)
         if self._in_flight is not None:
             self._prefix_cache_stale = True
         else:

@@ -27,11 +27,17 @@ which vLLM cannot reset while requests hold blocks, is reset before the next bat
 vLLM reports success): no block computed by older weights serves a new request. A request preempted after a load finds
 its own earlier blocks where the cache still holds them and recomputes the others with the weights loaded then.
 
+A server shared by several training processes (:mod:`.shared_server`): a process loads mid-batch the newest version
+every process has published, when no process holds the lock they share (never waiting for it), with every process's
+requests kept through the pause. The cache is not reset (several processes' requests nearly always hold blocks):
+every request is salted with the run, round and version the server holds when it is sent, and a process holds the lock
+from reading that version until every request of its batch has streamed a token, so no load falls between a request's
+salt and its prefix-cache lookup. The tokens' labels are checked against the versions any process loaded since the
+batch started (the store's log), and this process's own loads as above.
+
 What is refused at start (:func:`check_in_flight_server`): a server without the routes (``/weight_info`` and
 ``/pause`` of vLLM >= 0.32 in dev mode, ``/inference/v1/generate`` with ``--enable-scale-out``); LoRA (a request names
-its version's adapter when it is sent and keeps it to its end); a server shared by several training processes (the
-others' requests would have to be counted before a load, and their next batches kept from the stale cache: not
-built).
+its version's adapter when it is sent and keeps it to its end).
 """
 
 from __future__ import annotations
@@ -56,14 +62,6 @@ IN_FLIGHT_SERVER_LORA_REFUSAL = (
     "cannot switch a running request to another adapter), so a version cannot be taken mid-completion. Train full "
     "weights (the server then loads each version mid-batch), set use_vllm=False (the generate backend does it with "
     "LoRA), or set in_flight_weight_updates=False."
-)
-
-IN_FLIGHT_SHARED_SERVER_REFUSAL = (
-    "in_flight_weight_updates=True is not supported with a vLLM server shared by several training processes yet: a "
-    "load mid-batch would have to wait until every process has published the version and every process's requests "
-    "have been scheduled (their prefix-cache lookups done), and keep every process's next requests from the cache the "
-    "older weights computed; this is not built. Run one training process per server, use vllm_mode='colocate' (each "
-    "process's engine loads versions between its engine steps), or set in_flight_weight_updates=False."
 )
 
 
@@ -131,12 +129,17 @@ class BatchStreams:
         return [len(c.tokens) for c in self.completions]
 
 
-def stream_request(backend, streams: BatchStreams, index: int, prompt: list[int], n: int, seed: int | None) -> None:
+def stream_request(
+    backend, streams: BatchStreams, index: int, prompt: list[int], n: int, seed: int | None, salt: str | None = None
+) -> None:
     """Send request ``index`` of the batch (``n`` completions of ``prompt``, child ``j`` from the stream of ``seed +
-    j``) to ``/inference/v1/generate`` and read its stream into ``streams``. Raises :class:`~.server.VLLMServerError`
-    on an error or after ``vllm_request_timeout`` seconds; returns early once ``streams.stopped`` is set."""
+    j``; ``salt``: its prefix-cache salt) to ``/inference/v1/generate`` and read its stream into ``streams``. Raises
+    :class:`~.server.VLLMServerError` on an error or after ``vllm_request_timeout`` seconds; returns early once
+    ``streams.stopped`` is set."""
     sampling = {"detokenize": False, **sampling_fields(backend.sampling, n, seed)}
     payload = {"model": backend.model, "token_ids": list(prompt), "sampling_params": sampling, "stream": True}
+    if salt is not None:
+        payload["cache_salt"] = salt
     url, timeout = f"{backend.base_url}/inference/v1/generate", backend.request_timeout
     deadline = time.monotonic() + timeout
     children = streams.requests[index]
@@ -194,6 +197,8 @@ class InFlightServerLoads:
         appends ``(replaced version, tokens received per completion at the pause, loaded version)`` to ``loads`` and
         adds the load's seconds and count to ``timings``. Returns whether it loaded."""
         backend = self.backend
+        if backend._shared is not None:
+            return self._maybe_load_shared(streams, timings, loads)
         if backend.published_version <= backend.version or not streams.all_started():
             return False
         replaced = backend.version
@@ -220,37 +225,88 @@ class InFlightServerLoads:
         )
         return True
 
+    def _maybe_load_shared(self, streams: BatchStreams, timings: dict[str, float], loads: list) -> bool:
+        """A server shared by several processes: load this process's newest version if every process has published
+        it and no process holds the lock (:meth:`~.shared_server.SharedServerVersions.try_load_newer`; every
+        request any process sent has then been scheduled)."""
+        backend, shared = self.backend, self.backend._shared
+        target = backend.published_version
+        if target <= shared.loaded_version():
+            return False
+        paused = []  # (the version replaced, tokens received per completion) read while paused, under the lock
+
+        def at_pause():
+            paused.append((shared.loaded_version(), streams.received()))
+
+        def load() -> bool:  # pauses the server (every process's requests kept), reloads, labels, resumes
+            return backend._switch_server_to(target, at_pause=at_pause)
+
+        start = time.perf_counter()
+        if not shared.try_load_newer(target, load):
+            return False
+        end = time.perf_counter()
+        replaced, received = paused[0]
+        loads.append((replaced, received, target))
+        timings["in_flight_weight_load"] += end - start
+        timings["in_flight_weight_loads"] += 1
+        record_in_batch_span(
+            "in-flight weight load", start, end, tokens=sum(received), replaced_version=replaced,
+            loaded_version=target,
+        )  # fmt: skip
+        return True
+
+
+def _versions_loaded_since(shared, first: int) -> list[int]:
+    """The versions a shared server held from ``first`` on (loaded by any process), in order."""
+    return [first] + [v for v in range(first + 1, shared.loaded_version() + 1) if shared.was_loaded(v)]
+
 
 def generate_in_flight(backend, planned, should_stop):
     """A batch of the requests ``planned`` (:func:`~.server.completion_requests`) through the streaming route, newer
     versions loaded mid-batch (module doc): the completions, their behavior log-probs and each token's version
     (``token_versions``), in row order."""
-    backend._reset_stale_prefix_cache()  # before any request of this batch may look the cache up
-    backend._check_label("before")
+    shared = backend._shared
     streams = BatchStreams(planned)
-    first_version, loads = backend.version, []
+    salt = None
+    if shared is None:
+        backend._reset_stale_prefix_cache()  # before any request of this batch may look the cache up
+        backend._check_label("before")
+        first_version = backend.version
+    else:  # no load until every request of this batch has been scheduled; salted with the version they start with
+        first_version = shared.begin_submission(should_stop)
+        salt = shared.cache_salt(first_version)
+    loads = []
     timings = {"in_flight_weight_load": 0.0, "in_flight_weight_loads": 0.0}
-    futures = [
-        backend._pool.submit(stream_request, backend, streams, index, prompt, n, seed)
-        for index, (prompt, n, seed) in enumerate(planned)
-    ]
     try:
-        pending = set(futures)
-        while pending:
-            done, pending = wait(pending, timeout=POLL_SECONDS, return_when=FIRST_EXCEPTION)
-            for future in done:
-                future.result()  # raises a request's error now, not after the slowest request
-            if pending and should_stop is not None and should_stop():
-                raise GenerationStopped
-            if pending:
-                backend._in_flight.maybe_load(streams, timings, loads)
-    except BaseException:
-        streams.stopped.set()
-        for future in futures:
-            future.cancel()
-        raise
-    backend._check_label("after")
-    loaded = [first_version] + [version for _, _, version in loads]
+        futures = [
+            backend._pool.submit(stream_request, backend, streams, index, prompt, n, seed, salt)
+            for index, (prompt, n, seed) in enumerate(planned)
+        ]
+        try:
+            pending = set(futures)
+            while pending:
+                done, pending = wait(pending, timeout=POLL_SECONDS, return_when=FIRST_EXCEPTION)
+                for future in done:
+                    future.result()  # raises a request's error now, not after the slowest request
+                if pending and should_stop is not None and should_stop():
+                    raise GenerationStopped
+                if shared is not None and streams.all_started():
+                    shared.end_submission()
+                if pending:
+                    backend._in_flight.maybe_load(streams, timings, loads)
+        except BaseException:
+            streams.stopped.set()
+            for future in futures:
+                future.cancel()
+            raise
+    finally:
+        if shared is not None:
+            shared.end_submission()
+    if shared is None:
+        backend._check_label("after")
+        loaded = [first_version] + [version for _, _, version in loads]
+    else:
+        loaded = _versions_loaded_since(shared, first_version)
     labels = [
         labels_from_spans(c.spans or [], len(c.tokens), f"{backend.base_url} completion {i}")
         for i, c in enumerate(streams.completions)

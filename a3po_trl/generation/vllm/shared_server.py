@@ -20,6 +20,17 @@ between another process's check and its requests. Versions on the server only mo
 finds the server past the version it loaded has published a newer one (a switch needs every process's publication),
 and loads that instead.
 
+With in-flight weight updates (``in_flight_weight_updates=True``) the server also moves on while batches are
+generated: any process may load, mid-batch, a version every process has published (:meth:`try_load_newer`: the lock,
+never waited for; the load pauses the server with every process's requests kept). Two more rules keep the prefix cache
+clean without resetting it (which vLLM refuses while any request holds a block, as several processes' requests in
+flight nearly always do): every request carries a cache salt naming the run and the version the server holds
+(:meth:`cache_salt`), so a block computed by older weights can only serve requests sent before the load; and a
+process holds the lock from reading the version it salts its batch's requests with until every one of them has been
+scheduled (:meth:`begin_submission`, :meth:`end_submission`), so no load falls between a request's send and its
+prefix-cache lookup. Each version loaded is logged (``loaded/{version}``), for every process to check the labels of
+its tokens against (:meth:`was_loaded`).
+
 A process waits only for what it needs: the other processes' batches of an older version to finish (their
 generation, tool calls and rewards, as with one process the next batch waits for the previous one), and for every
 process to publish the version (they publish right after the same optimizer step). Nothing waits on a timer: a
@@ -33,6 +44,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable
 
 from ...types import GenerationStopped
@@ -78,6 +90,9 @@ class SharedServerVersions:
         self._closed = threading.Event()
         self._heartbeat_interval = heartbeat_interval
         self._last_beat: dict[int, tuple[int, float]] = {}
+        # the run's name in cache salts (a server outlives runs, whose version numbers start again)
+        self.nonce = self.store.compare_set("nonce", "", uuid.uuid4().hex[:12]).decode()
+        self._holding = False
         self.store.add(f"alive/{rank}", 1)
         self._heartbeat = threading.Thread(target=self._beat, name=f"a3po-server-heartbeat-{rank}", daemon=True)
         self._heartbeat.start()
@@ -166,6 +181,68 @@ class SharedServerVersions:
         except Exception:  # noqa: BLE001 - the store's host may be gone at teardown
             pass
 
+    # ---- generation thread, in-flight weight updates -----------------------------------------------------------
+    def cache_salt(self, version: int) -> str:
+        """The prefix-cache salt of requests sent while the server holds ``version`` in this round of this run."""
+        return f"a3po-{self.nonce}-r{self._round}-v{version}"
+
+    def begin_submission(self, should_stop: Callable[[], bool] | None = None) -> int:
+        """Take the lock (waiting while another process loads or submits) and return the version the server holds:
+        this process's next requests are salted with it, and no process loads until :meth:`end_submission`.
+        Raises :class:`SharedServerError` if the holder failed or died, :class:`GenerationStopped` when
+        ``should_stop()`` turns true while it waits."""
+        start = time.perf_counter()
+        key, me = self._key("switch"), str(self.rank)
+        try:
+            while True:
+                if should_stop is not None and should_stop():
+                    raise GenerationStopped
+                self._check_failed()
+                if self.store.compare_set(key, "", me).decode() == me:
+                    self._holding = True
+                    return self._get_int("loaded")
+                holder = self._lock_holder()
+                if holder is not None:
+                    self._check_alive([holder], self._get_int("loaded"))
+                time.sleep(self.poll_interval)
+        finally:
+            self.wait_seconds += time.perf_counter() - start
+
+    def end_submission(self) -> None:
+        """Every request sent since :meth:`begin_submission` has been scheduled (or the batch ended): release the
+        lock (idempotent)."""
+        if self._holding:
+            self._holding = False
+            self.store.set(self._key("switch"), "")
+
+    def try_load_newer(self, version: int, load: Callable[[], bool]) -> bool:
+        """Load ``version`` into the server with ``load()`` now, mid-batch, if it is newer than what it holds, every
+        process has published it, and nobody holds the lock (never waits: the batch goes on otherwise). ``load``
+        returns False, having loaded nothing, when this process no longer holds ``version``. Returns whether it
+        loaded."""
+        if self._holding or self._get_int("loaded") >= version:
+            return False  # (holding the lock for its own submission, this process is what a load waits for)
+        if any(self._get_int(f"published/{rank}") < version for rank in range(self.world_size)):
+            return False
+        key, me = self._key("switch"), str(self.rank)
+        if self.store.compare_set(key, "", me).decode() != me:
+            return False
+        try:
+            if self._get_int("loaded") >= version or not load():
+                return False
+            self._loaded(version)
+            return True
+        finally:
+            self.store.set(key, "")
+
+    def loaded_version(self) -> int:
+        """The version the server holds now (-1: none loaded in this round yet)."""
+        return self._get_int("loaded")
+
+    def was_loaded(self, version: int) -> bool:
+        """Whether the server was loaded with ``version`` in this round (by any process)."""
+        return self.store.check([self._key(f"loaded/{version}")])
+
     # ---- internals -------------------------------------------------------------------------------------------------
     def _lock_holder(self) -> int | None:
         key = self._key("switch")
@@ -193,11 +270,16 @@ class SharedServerVersions:
                 return False
             if not load():
                 return False  # this process no longer holds the version (it published a newer one)
-            self._set_int("loaded", version)
-            self.switches += 1
+            self._loaded(version)
             return True
         finally:
             self.store.set(key, "")
+
+    def _loaded(self, version: int) -> None:
+        """This process (holding the lock) loaded ``version`` into the server."""
+        self._set_int("loaded", version)
+        self._set_int(f"loaded/{version}", 1)
+        self.switches += 1
 
     def _check_failed(self) -> None:
         key = self._key("failed")

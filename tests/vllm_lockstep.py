@@ -1,0 +1,68 @@
+"""Deterministic switch points for in-flight weight updates with the colocated vLLM engine, shared by
+test_vllm_in_flight.py and tests/scripts/distributed_vllm.py (``--in-flight``): :class:`StepHook` counts a batch's
+engine steps, :class:`EngineLockstep` is :class:`helpers.Lockstep` with an engine step as the generator's forward."""
+
+import threading
+
+from helpers import LOCKSTEP_TIMEOUT, Lockstep
+
+import a3po_trl.trainer
+
+
+class StepHook:
+    """Wraps the engine's ``step``: counts the engine steps of a batch, calls ``after(step)`` after each, and keeps
+    the finished ``RequestOutput``s by request id."""
+
+    def __init__(self, backend, after):
+        self.engine = backend.llm.llm_engine
+        self.steps, self.finished, self.after = 0, {}, after
+        step = self.engine.step
+
+        def stepping():
+            outputs = step()
+            self.steps += 1
+            for output in outputs:
+                if output.finished:
+                    self.finished[output.request_id] = output
+            self.after(self.steps)
+            return outputs
+
+        self.engine.step = stepping
+
+    def remove(self):
+        del self.engine.step
+
+    def in_order(self):
+        """The finished outputs in the order of the batch's prompts (request ids end with the prompt's index)."""
+        return [self.finished[r] for r in sorted(self.finished, key=lambda r: int(r.rsplit("-", 1)[1]))]
+
+
+class EngineLockstep(Lockstep):
+    """:class:`helpers.Lockstep` for the colocated engine: a batch's "forward" is an engine step, counted after it
+    ran, so the generator waits for the next version after the third step and loads it before the fourth. The engine
+    steps fast: so that a batch switches once only, the trainer also takes batch ``j`` only once the generator has
+    finished batch ``j + 1`` (the version it publishes after batch ``j`` cannot reach batch ``j + 1`` mid-way)."""
+
+    def __init__(self, trainer, setattr_fn, lag: int, num_batches: int):
+        self.finished = [threading.Event() for _ in range(num_batches)]
+        super().__init__(trainer, setattr_fn, lag, num_batches)
+        gated = a3po_trl.trainer.make_training_batch
+
+        def after_the_next_batch(trainer, scored, *args):
+            following = scored.index + 1
+            if following < len(self.finished) and not self.finished[following].wait(LOCKSTEP_TIMEOUT):
+                raise RuntimeError(f"the generator did not finish batch {following}")
+            return gated(trainer, scored, *args)
+
+        setattr_fn(a3po_trl.trainer, "make_training_batch", after_the_next_batch)
+
+    def hook_generator(self, backend) -> None:
+        StepHook(backend, lambda step: self._generator_forward())
+        generate = backend.generate
+
+        def generate_and_tell(*args, **kwargs):
+            generated = generate(*args, **kwargs)
+            self.finished[self._batch].set()
+            return generated
+
+        backend.generate = generate_and_tell
