@@ -267,7 +267,9 @@ def test_staging_the_shared_server_switcher_writes_its_file_without_the_lock(tok
     weights.keep_versions = True
     weights.publish(model, 0)
     writing, finish = threading.Event(), threading.Event()
-    switcher = types.SimpleNamespace(weights=weights, _tied_head=False, _weights_dir=str(tmp_path / "weights"))
+    switcher = types.SimpleNamespace(
+        weights=weights, _tied_head=False, _weights_dir=str(tmp_path / "weights"), _in_flight=None
+    )
 
     def slow_write(buffers):  # the real file write, made slow
         writing.set()
