@@ -212,17 +212,7 @@ class InFlightServerLoads:
         end = time.perf_counter()
         if not loaded:
             return False
-        loads.append((replaced, received, backend.version))
-        timings["in_flight_weight_load"] += end - start
-        timings["in_flight_weight_loads"] += 1
-        record_in_batch_span(
-            "in-flight weight load",
-            start,
-            end,
-            tokens=sum(streams.received()),
-            replaced_version=replaced,
-            loaded_version=backend.version,
-        )
+        _count_load(loads, timings, start, end, replaced, received, backend.version, tokens=sum(streams.received()))
         return True
 
     def _maybe_load_shared(self, streams: BatchStreams, timings: dict[str, float], loads: list) -> bool:
@@ -246,14 +236,19 @@ class InFlightServerLoads:
             return False
         end = time.perf_counter()
         replaced, received = paused[0]
-        loads.append((replaced, received, target))
-        timings["in_flight_weight_load"] += end - start
-        timings["in_flight_weight_loads"] += 1
-        record_in_batch_span(
-            "in-flight weight load", start, end, tokens=sum(received), replaced_version=replaced,
-            loaded_version=target,
-        )  # fmt: skip
+        _count_load(loads, timings, start, end, replaced, received, target, tokens=sum(received))
         return True
+
+
+def _count_load(loads: list, timings: dict[str, float], start, end, replaced, received, loaded, tokens: int) -> None:
+    """Record a load mid-batch: ``(replaced, received, loaded)`` in ``loads``, its seconds and count in ``timings``,
+    and its span on the timeline (with ``tokens`` streamed)."""
+    loads.append((replaced, received, loaded))
+    timings["in_flight_weight_load"] += end - start
+    timings["in_flight_weight_loads"] += 1
+    record_in_batch_span(
+        "in-flight weight load", start, end, tokens=tokens, replaced_version=replaced, loaded_version=loaded
+    )
 
 
 def _versions_loaded_since(shared, first: int) -> list[int]:

@@ -192,13 +192,12 @@ class SharedServerVersions:
         Raises :class:`SharedServerError` if the holder failed or died, :class:`GenerationStopped` when
         ``should_stop()`` turns true while it waits."""
         start = time.perf_counter()
-        key, me = self._key("switch"), str(self.rank)
         try:
             while True:
                 if should_stop is not None and should_stop():
                     raise GenerationStopped
                 self._check_failed()
-                if self.store.compare_set(key, "", me).decode() == me:
+                if self._take_lock():
                     self._holding = True
                     return self._get_int("loaded")
                 holder = self._lock_holder()
@@ -213,7 +212,7 @@ class SharedServerVersions:
         lock (idempotent)."""
         if self._holding:
             self._holding = False
-            self.store.set(self._key("switch"), "")
+            self._release_lock()
 
     def try_load_newer(self, version: int, load: Callable[[], bool]) -> bool:
         """Load ``version`` into the server with ``load()`` now, mid-batch, if it is newer than what it holds, every
@@ -224,8 +223,7 @@ class SharedServerVersions:
             return False  # (holding the lock for its own submission, this process is what a load waits for)
         if any(self._get_int(f"published/{rank}") < version for rank in range(self.world_size)):
             return False
-        key, me = self._key("switch"), str(self.rank)
-        if self.store.compare_set(key, "", me).decode() != me:
+        if not self._take_lock():
             return False
         try:
             if self._get_int("loaded") >= version or not load():
@@ -233,7 +231,7 @@ class SharedServerVersions:
             self._loaded(version)
             return True
         finally:
-            self.store.set(key, "")
+            self._release_lock()
 
     def loaded_version(self) -> int:
         """The version the server holds now (-1: none loaded in this round yet)."""
@@ -253,8 +251,7 @@ class SharedServerVersions:
 
     def _try_switch(self, version: int, load: Callable[[], bool]) -> bool:
         """Take the switch lock; if every process has published ``version`` and none needs an older one, load it."""
-        key, me = self._key("switch"), str(self.rank)
-        if self.store.compare_set(key, "", me).decode() != me:
+        if not self._take_lock():
             return False
         try:
             if self._get_int("loaded") >= version:
@@ -273,7 +270,15 @@ class SharedServerVersions:
             self._loaded(version)
             return True
         finally:
-            self.store.set(key, "")
+            self._release_lock()
+
+    def _take_lock(self) -> bool:
+        """Take the ``switch`` lock if nobody holds it; returns whether this process holds it now."""
+        me = str(self.rank)
+        return self.store.compare_set(self._key("switch"), "", me).decode() == me
+
+    def _release_lock(self) -> None:
+        self.store.set(self._key("switch"), "")
 
     def _loaded(self, version: int) -> None:
         """This process (holding the lock) loaded ``version`` into the server."""
