@@ -1,6 +1,7 @@
 """Deterministic switch points for in-flight weight updates with the colocated vLLM engine, shared by
 test_vllm_in_flight.py and tests/scripts/distributed_vllm.py (``--in-flight``): :class:`StepHook` counts a batch's
-engine steps, :class:`EngineLockstep` is :class:`helpers.Lockstep` with an engine step as the generator's forward."""
+engine steps, :class:`EngineLockstep` is :class:`helpers.Lockstep` with an engine step as the generator's forward,
+:func:`check_lockstep_reports` what a 4-step ``distributed_vllm.py --in-flight`` run reports on every process."""
 
 import threading
 
@@ -66,3 +67,18 @@ class EngineLockstep(Lockstep):
             return generated
 
         backend.generate = generate_and_tell
+
+
+def check_lockstep_reports(reports) -> None:
+    """Every process of a 4-step ``tests/scripts/distributed_vllm.py colocate --in-flight`` run (lag 2): batches 2
+    and 3 start with version ``b - 2`` and switch, between two engine steps, to ``b - 1`` (published by every
+    process), each token tagged with vLLM's own label and the staleness bound held on the oldest tokens."""
+    for r in reports:
+        assert r["global_step"] == 4
+        assert r["start_versions"] == {"0": 0, "1": 0, "2": 0, "3": 1}
+        assert r["token_versions"] == r["expected_token_versions"]
+        for index in (2, 3):
+            assert {v for row in r["token_versions"][index] for v in row if v >= 0} == {index - 2, index - 1}
+        assert r["in_flight_weight_loads"] == [0.0, 0.0, 1.0, 1.0]
+        assert r["completion_versions_max"] == [1.0, 1.0, 2.0, 2.0]
+        assert r["max_staleness_seen"] == 2  # the bound, on the oldest tokens

@@ -16,6 +16,7 @@ from helpers import COMMON as TRAINER_COMMON
 from helpers import free_port, logged
 from tiny import length_reward, make_prompts, make_tokenizer, make_vllm_model
 from vllm_launch import launch_two_processes, start_server, wait_healthy
+from vllm_lockstep import check_lockstep_reports
 
 pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -407,6 +408,16 @@ def test_two_training_processes_each_generate_with_their_own_colocated_engine(tm
     process's published versions."""
     result, _, reports = launch_two_processes(tmp_path, saved_model, "colocate", *(["--lora"] if lora else []))
     _check_two_process_run(result, reports)
+
+
+@pytest.mark.slow
+def test_two_ddp_processes_colocated_engines_load_versions_mid_batch(tmp_path, saved_model):
+    """in_flight_weight_updates under DDP with an engine per process (full weights, the switch points fixed by the
+    schedule): every process's batches 2 and 3 switch mid-batch to the version every process published."""
+    result, _, reports = launch_two_processes(tmp_path, saved_model, "colocate", "--in-flight", "--steps", "4")
+    assert result.returncode == 0 and sorted(reports) == [0, 1], result.stderr[-6000:]
+    assert all(r["distributed_type"] == "DistributedType.MULTI_CPU" for r in reports.values())
+    check_lockstep_reports(list(reports.values()))
 
 
 @pytest.mark.slow
