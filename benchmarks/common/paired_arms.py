@@ -61,9 +61,10 @@ def table(rows: list[dict], first_column: str = "outcome") -> list[str]:
     ]
     for row in rows:
         p, holm_p, tost = ("-" if row[key] is None else f"{row[key]:.3f}" for key in ("p", "holm_p", "equivalence_p"))
+        interval = f"[{row['low']:+.3f}, {row['high']:+.3f}]" if len(row["seeds"]) > 1 else "(one seed: no interval)"
         lines.append(
             f"| {row[first_column]} | {','.join(map(str, row['seeds']))} | {row['off_mean']:.3f} | "
-            f"{row['on_mean']:.3f} | {row['mean']:+.3f} [{row['low']:+.3f}, {row['high']:+.3f}] | {p} | {holm_p} | "
+            f"{row['on_mean']:.3f} | {row['mean']:+.3f} {interval} | {p} | {holm_p} | "
             f"{row['equivalence_margin']:.3f} | {tost} | {row['verdict']} |"
         )
     return lines

@@ -88,4 +88,6 @@ def test_equal_arms_are_equivalent_and_one_seed_is_no_test():
     assert rows["held-out accuracy, equal steps"]["verdict"] == "equivalent"
     single = study.paired_outcomes({"off": {42: base[42]}, "on": {42: close[42]}})
     assert all(row["verdict"] == "one seed" and row["p"] is None for row in single)
+    shown = paired_arms.table(single)[2:]  # one seed has no interval: the table says so instead of a zero-width one
+    assert all("(one seed: no interval)" in line and "[" not in line for line in shown)
     assert study.paired_outcomes({"off": base}) == []
