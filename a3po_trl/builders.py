@@ -261,7 +261,12 @@ def _build_vllm_backend(trainer, staging_device: torch.device | None = None) -> 
         # store (built here, in the main thread, every process together)
         from .generation.vllm.shared_server import SharedServerVersions
 
-        shared = SharedServerVersions(private_store("a3po-vllm-server"), trainer.accelerator.process_index, processes)
+        shared = SharedServerVersions(
+            private_store("a3po-vllm-server"),
+            trainer.accelerator.process_index,
+            processes,
+            in_flight=args.in_flight_weight_updates,
+        )
     return build_vllm_backend(
         module,
         args,

@@ -159,6 +159,30 @@ def blocked_pair(liveness_timeout=15.0):
     return waiting, holding, server
 
 
+@pytest.mark.parametrize("in_flight", [False, True], ids=["between-batches", "in-flight"])
+def test_a_switch_waits_for_another_process_batch_of_an_older_version_only_without_in_flight_updates(in_flight):
+    """Process b generates a batch with version 0 while a, between batches, wants version 1 (both published it).
+    Without in-flight updates b's batch must end with version 0, so a waits; with them b's batch takes version 1 mid
+    batch (its tokens labelled), so a switches the server at once."""
+    server, (a, b) = processes_between_batches(0, in_flight=in_flight)
+    assert a.acquire(0, server.loader(0)) and b.acquire(0, server.loader(0))  # b's batch: version 0, not released
+    a.release(None)
+    for coordinator in (a, b):
+        coordinator.published(1)
+    deadline = time.monotonic() + 0.3  # a's stand-in trainer stops waiting then
+    if in_flight:
+        assert a.acquire(1, server.loader(1), should_stop=lambda: time.monotonic() > deadline)
+        assert server.loads == [0, 1]
+    else:
+        with pytest.raises(GenerationStopped):  # still waiting for b's batch
+            a.acquire(1, server.loader(1), should_stop=lambda: time.monotonic() > deadline)
+        assert server.loads == [0]
+        b.release(None)
+        assert a.acquire(1, server.loader(1)) and server.loads == [0, 1]
+    for coordinator in (a, b):
+        coordinator.close()
+
+
 def test_a_failure_in_the_process_waited_for_fails_the_waiting_process_naming_it():
     waiting, holding, server = blocked_pair()
     thread, outcome = wait_in_thread(waiting, 1, server.loader(1))
@@ -306,7 +330,10 @@ def run_in_flight_processes(world_size, num_batches, seed):
     scheduled, then, while its batch decodes, tries to load the newest version every process published."""
     random.seed(seed)
     store, server = dist.HashStore(), SaltedServer()
-    coordinators = [SharedServerVersions(store, rank, world_size, poll_interval=0.0005) for rank in range(world_size)]
+    coordinators = [
+        SharedServerVersions(store, rank, world_size, poll_interval=0.0005, in_flight=True)
+        for rank in range(world_size)
+    ]
     for coordinator in coordinators:
         coordinator.reset()
         coordinator.published(0)

@@ -22,7 +22,9 @@ and loads that instead.
 
 With in-flight weight updates (``in_flight_weight_updates=True``) the server also moves on while batches are
 generated: any process may load, mid-batch, a version every process has published (:meth:`try_load_newer`: the lock,
-never waited for; the load pauses the server with every process's requests kept). Two more rules keep the prefix cache
+never waited for; the load pauses the server with every process's requests kept), and a process between batches
+switches the server without waiting for the other processes' batches of older versions to end (``needed`` no longer
+holds a switch back: those batches go on with the new version). Two more rules keep the prefix cache
 clean without resetting it (which vLLM refuses while any request holds a block, as several processes' requests in
 flight nearly always do): every request carries a cache salt naming the run and the version the server holds
 (:meth:`cache_salt`), so a block computed by older weights can only serve requests sent before the load; and a
@@ -66,6 +68,9 @@ class SharedServerVersions:
         poll_interval: seconds between looks at the store while waiting.
         heartbeat_interval: seconds between this process's heartbeats.
         liveness_timeout: seconds without a heartbeat after which a process that is waited for is declared dead.
+        in_flight: the processes' batches take newer versions mid-batch (``in_flight_weight_updates``): a switch
+            between batches waits for every process to publish the version only, not for the other processes'
+            batches of older versions to end (those batches go on with the new version, their tokens labelled).
     """
 
     def __init__(
@@ -76,12 +81,14 @@ class SharedServerVersions:
         poll_interval: float = 0.01,
         heartbeat_interval: float = 1.0,
         liveness_timeout: float = 15.0,
+        in_flight: bool = False,
     ):
         self.store = store
         self.rank = rank
         self.world_size = world_size
         self.poll_interval = poll_interval
         self.liveness_timeout = liveness_timeout
+        self.in_flight = in_flight
         self.switches = 0
         """Versions this process loaded into the server."""
         self.wait_seconds = 0.0
@@ -250,7 +257,8 @@ class SharedServerVersions:
         return int(holder) if holder else None
 
     def _try_switch(self, version: int, load: Callable[[], bool]) -> bool:
-        """Take the switch lock; if every process has published ``version`` and none needs an older one, load it."""
+        """Take the switch lock; if every process has published ``version`` and none needs an older one (with
+        in-flight updates: every process has published it), load it."""
         if not self._take_lock():
             return False
         try:
@@ -260,7 +268,7 @@ class SharedServerVersions:
                 rank
                 for rank in range(self.world_size)
                 if self._get_int(f"published/{rank}") < version
-                or (rank != self.rank and self._get_int(f"needed/{rank}") < version)
+                or (not self.in_flight and rank != self.rank and self._get_int(f"needed/{rank}") < version)
             ]
             if blockers:
                 self._check_alive(blockers, version)
