@@ -8,7 +8,10 @@ scripts usually do not call it. :func:`destroy_process_group_at_exit` registers 
 runs while the interpreter is still whole, so every script that builds an `AsyncA3POTrainer` shuts down cleanly.
 Before destroying the group the handler waits, with a timeout, for every rank: with the teardown alone a rank could
 still tear its connections down while another finished its last collective (measured: 2 aborts in 14 two-process
-ZeRO-3 + LoRA runs; 0 in 26 with the barrier).
+ZeRO-3 + LoRA runs; 0 in 26 with the barrier). The wait goes through the process group's store, not a collective, so
+it is bounded on every rank: gloo's ``monitored_barrier`` bounds rank 0's wait only, and a rank that failed while
+another was left in a collective waiting for it then waited for rank 0's answer for the process group's whole
+timeout (30 min) instead of exiting, which is what lets the launcher end the others.
 """
 
 from __future__ import annotations
@@ -39,9 +42,10 @@ def destroy_process_group_if_initialized() -> bool:
         return False
     try:
         if "gloo" in str(dist.get_backend()).lower() and dist.get_world_size() > 1:
-            # every rank finishes its last collective before any rank tears its connections down; bounded, so a
-            # rank that crashed delays the others' exit by at most the timeout instead of hanging it
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=EXIT_BARRIER_TIMEOUT_SECONDS))
+            # every rank finishes its last collective before any rank tears its connections down; bounded on every
+            # rank, so a rank that crashed delays the others' exit (and a failed rank its own) by at most the timeout
+            store = dist.distributed_c10d._get_default_store()
+            exit_barrier(store, dist.get_world_size(), EXIT_BARRIER_TIMEOUT_SECONDS)
     except Exception as error:
         logger.warning("barrier before destroy_process_group at exit failed: %r", error)
     try:
@@ -50,6 +54,22 @@ def destroy_process_group_if_initialized() -> bool:
         logger.warning("destroy_process_group at exit failed: %r", error)
         return False
     return True
+
+
+def exit_barrier(store, world_size: int, timeout_seconds: float) -> None:
+    """Wait until all ``world_size`` processes called this (each once, at exit) or ``timeout_seconds`` passed, through
+    ``store`` (no collective: the wait is bounded on every process). Raises ``RuntimeError`` naming how many arrived
+    when the time is up."""
+    arrived = store.add("a3po/exit_barrier", 1)
+    if arrived == world_size:
+        store.set("a3po/exit_barrier_done", "1")
+    try:
+        store.wait(["a3po/exit_barrier_done"], datetime.timedelta(seconds=timeout_seconds))
+    except Exception as error:  # the store's timeout error
+        arrived = store.add("a3po/exit_barrier", 0)
+        raise RuntimeError(
+            f"{arrived} of {world_size} processes reached the exit within {timeout_seconds:g} s ({error})"
+        ) from error
 
 
 def private_store(prefix: str):

@@ -1,6 +1,8 @@
 """Process-group teardown at exit (a3po_trl/distributed.py), in a one-process gloo group."""
 
 import atexit
+import threading
+import time
 
 import pytest
 import torch.distributed as dist
@@ -41,3 +43,23 @@ def test_without_a_process_group_nothing_is_registered(monkeypatch):
     assert not dist.is_initialized()
     assert not distributed.destroy_process_group_at_exit()
     assert distributed.destroy_process_group_if_initialized() is False
+
+
+def test_the_exit_barrier_waits_for_every_process_and_is_bounded_for_each():
+    """Through the store, not a collective: two processes arriving pass it; one alone (the other failed, or is left in
+    a collective) waits the timeout and no longer, whatever its rank."""
+    store = dist.HashStore()
+    passed = []
+    threads = [
+        threading.Thread(target=lambda: passed.append(distributed.exit_barrier(store, 2, 10.0))) for _ in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(15)
+    assert passed == [None, None]
+    alone = dist.HashStore()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="1 of 2 processes reached the exit within 0.3 s"):
+        distributed.exit_barrier(alone, 2, 0.3)
+    assert time.monotonic() - start < 5
