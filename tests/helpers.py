@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -155,10 +156,28 @@ def launch_fsdp2(tmp_path, script, *args, fsdp_config=None, timeout=600, mixed_p
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "fsdp2.yaml")]
-    result = subprocess.run(
-        [*command, script, str(out), *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
-    )
+    result = run_process_tree([*command, script, str(out), *args], env=env, timeout=timeout, cwd=ROOT)
     return result, out
+
+
+def run_process_tree(command, *, timeout, **popen_kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(command, capture_output=True, text=True, timeout=timeout)`` for a command that starts
+    processes of its own (``accelerate launch`` and its workers): it runs in a session of its own, and when it
+    outlives ``timeout`` the whole session is killed before ``TimeoutExpired`` is raised. ``subprocess.run`` kills
+    the launcher only, which leaves its workers running (and holding their ports and cores) for the tests after."""
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **popen_kwargs
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        stdout, stderr = process.communicate()
+        raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr=stderr) from None
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 class _State(SimpleNamespace):

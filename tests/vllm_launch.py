@@ -53,10 +53,9 @@ def launch_two_processes(tmp_path, model_dir, mode, *extra, timeout=900):
     """``tests/scripts/distributed_vllm.py`` under ``accelerate launch`` with two CPU processes (gloo): the
     launcher's result, its wall time and each rank's report (a rank that was killed writes none)."""
     import json
-    import subprocess
     import sys
 
-    from helpers import free_port
+    from helpers import free_port, run_process_tree
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     config = tmp_path / "ddp.yaml"
@@ -73,7 +72,7 @@ def launch_two_processes(tmp_path, model_dir, mode, *extra, timeout=900):
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     start = time.monotonic()
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=root)
+    result = run_process_tree(command, env=env, timeout=timeout, cwd=root)
     seconds = time.monotonic() - start
     reports = {
         rank: json.loads((out / f"rank{rank}.json").read_text())

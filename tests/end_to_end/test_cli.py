@@ -6,13 +6,12 @@ Offline: the tiny model, a local `.jsonl` dataset and a reward module, from `hel
 """
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from helpers import cli_workspace, free_port, logged
+from helpers import cli_workspace, free_port, logged, run_process_tree
 
 from a3po_trl import AsyncA3POTrainer
 from a3po_trl.cli import parse_command_line
@@ -58,7 +57,7 @@ def run_command(command, workspace, timeout=600):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.pop("A3PO_TRL_LAUNCHED", None)
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=workspace)
+    result = run_process_tree(command, env=env, timeout=timeout, cwd=workspace)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result
 

@@ -13,7 +13,7 @@ from unittest import mock
 
 import pytest
 import torch
-from helpers import StopAt, free_port, make_trainer
+from helpers import StopAt, free_port, make_trainer, run_process_tree
 from safetensors.torch import save_file
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
@@ -217,7 +217,7 @@ def test_every_process_resumes_from_the_checkpoint_the_main_process_chose(tmp_pa
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     script = os.path.join(ROOT, "tests", "scripts", "resume_agreement.py")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), script, str(out)]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    result = run_process_tree(cmd, env=env, timeout=900, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
     for report in reports:

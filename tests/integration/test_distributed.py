@@ -6,11 +6,11 @@ step count, the generator's version and its weights, and the launcher must exit 
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
+from helpers import run_process_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "distributed_tiny.py")
@@ -61,7 +61,7 @@ def _launch(tmp_path, name, lora, port, *extra):
     if lora:
         cmd.append("--lora")
     cmd.extend(extra)
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    result = run_process_tree(cmd, env=env, timeout=900, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     assert "terminate called" not in result.stderr, result.stderr[-6000:]
     reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]

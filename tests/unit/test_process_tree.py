@@ -1,0 +1,55 @@
+"""The tests' launcher for commands that start processes of their own (``helpers.run_process_tree``): a launch that
+outlives its bound must not leave its workers behind for the tests after it."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import run_process_tree
+
+# A launcher that starts a worker (which writes its pid, then sleeps), then waits for it, as `accelerate launch` does.
+# The worker's output goes elsewhere, so that the launcher's pipes close when the launcher dies.
+LAUNCHER = """
+import subprocess, sys, time
+worker_code = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(120)"
+worker = subprocess.Popen(
+    [sys.executable, "-c", worker_code, sys.argv[1]],
+    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+)
+print("launched", flush=True)
+worker.wait()
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"  # a zombie is dead, only not yet reaped
+    except FileNotFoundError:
+        return False
+
+
+def test_a_launch_past_its_bound_takes_its_workers_with_it(tmp_path):
+    pid_file = tmp_path / "worker.pid"
+    with pytest.raises(subprocess.TimeoutExpired) as raised:
+        run_process_tree([sys.executable, "-c", LAUNCHER, str(pid_file)], timeout=5)
+    assert "launched" in raised.value.output  # what the launcher printed before the bound comes with the error
+    worker = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if alive(worker):
+        os.kill(worker, signal.SIGKILL)
+        pytest.fail("the worker outlived its launcher's timeout")
+
+
+def test_a_launch_within_its_bound_returns_its_exit_status_and_output(tmp_path):
+    result = run_process_tree(
+        [sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"],
+        timeout=60,
+        env={**os.environ},
+    )
+    assert (result.returncode, result.stdout, result.stderr) == (3, "out\n", "err\n")
