@@ -169,6 +169,33 @@ def test_training_with_in_flight_loads_tags_every_token_and_logs_the_metrics(tok
     assert all(0 < m < 2 for m in logged(trainer, "a3po/staleness_mean")[2:])  # per token: 2 and 1 mixed
 
 
+def test_in_flight_loads_continue_across_a_checkpoint_and_resume(tokenizer, tmp_path, monkeypatch):
+    """A run saved at step 2 and resumed to step 6 through the colocated engine: the resumed engine is labelled with
+    the checkpoint's version and its batches switch mid-batch from there (batch ``b >= 2`` of the resumed run from
+    ``2 + b - 2`` to ``2 + b - 1``), every token tagged with vLLM's own label."""
+    settings = dict(max_staleness=2, max_completion_length=12, save_strategy="steps", save_steps=2)
+    first = make_in_flight_trainer(tokenizer, tmp_path, max_steps=2, **settings)
+    try:
+        first.train()
+    finally:
+        first._backend.close()
+    assert (tmp_path / "out" / "checkpoint-2").is_dir()
+
+    resumed = make_in_flight_trainer(tokenizer, tmp_path, max_steps=6, **settings)
+    lockstep = EngineLockstep(resumed, monkeypatch.setattr, lag=2, num_batches=4)
+    try:
+        resumed.train(resume_from_checkpoint=True)
+    finally:
+        resumed._backend.close()
+    assert resumed.state.global_step == 6
+    assert lockstep.start_versions == {0: 2, 1: 2, 2: 2, 3: 3}  # versions numbered from the checkpoint's step
+    for index in range(4):
+        assert torch.equal(lockstep.token_versions[index], lockstep.expected_versions(index)), index
+    assert set(lockstep.token_versions[2][lockstep.masks[2]].tolist()) == {2, 3}
+    assert logged(resumed, "async/in_flight_weight_loads")[-4:] == [0.0, 0.0, 1.0, 1.0]
+    assert max(logged(resumed, "a3po/staleness_max")[-4:]) == 2.0
+
+
 def test_a_peft_model_is_refused_by_the_backend_before_the_engine_starts(tokenizer, tmp_path):
     """LoRA versions are adapters a request keeps to its end: refused at start (a ``peft_config`` already in
     validation, a model that is a PEFT model when the backend is built), with the fix."""
