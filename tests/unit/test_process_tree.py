@@ -46,10 +46,8 @@ def test_a_launch_past_its_bound_takes_its_workers_with_it(tmp_path):
         pytest.fail("the worker outlived its launcher's timeout")
 
 
-def test_a_launch_within_its_bound_returns_its_exit_status_and_output(tmp_path):
+def test_a_launch_within_its_bound_returns_its_exit_status_and_output():
     result = run_process_tree(
-        [sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"],
-        timeout=60,
-        env={**os.environ},
+        [sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"], timeout=60
     )
     assert (result.returncode, result.stdout, result.stderr) == (3, "out\n", "err\n")
