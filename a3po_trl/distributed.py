@@ -1,4 +1,4 @@
-"""Process-group shutdown that does not depend on interpreter-exit order.
+"""Process-group shutdown that does not depend on interpreter-exit order, and failing together.
 
 A gloo process group that is still alive when the Python interpreter finalizes can abort the process after training
 has finished (``terminate called without an active exception``): gloo's C++ worker threads still hold work objects
@@ -12,6 +12,9 @@ ZeRO-3 + LoRA runs; 0 in 26 with the barrier). The wait goes through the process
 it is bounded on every rank: gloo's ``monitored_barrier`` bounds rank 0's wait only, and a rank that failed while
 another was left in a collective waiting for it then waited for rank 0's answer for the process group's whole
 timeout (30 min) instead of exiting, which is what lets the launcher end the others.
+
+:func:`raise_together` is the other half: a step every process takes together (taking a generation batch, saving or
+resuming a checkpoint) that fails on one process raises on all of them, so none is left in a collective.
 """
 
 from __future__ import annotations
@@ -70,6 +73,30 @@ def exit_barrier(store, world_size: int, timeout_seconds: float) -> None:
         raise RuntimeError(
             f"{arrived} of {world_size} processes reached the exit within {timeout_seconds:g} s ({error})"
         ) from error
+
+
+class PeerProcessFailed(RuntimeError):
+    """Another training process failed at a step every process takes together, so this one stops too."""
+
+
+def raise_together(accelerator, error: BaseException | None, what: str, peer_error=PeerProcessFailed) -> None:
+    """Tell every process whether ``what`` failed on this one; every process raises if it failed on any: a process's
+    own error with its traceback, the others a ``peer_error`` naming each process that failed and its error. So no
+    process goes on to a collective a failed process would never join (it would wait there until that process exited,
+    then fail with the backend's "connection closed by peer", or wait out the process group's timeout). A collective:
+    every process calls it together."""
+    from accelerate.utils import gather_object
+
+    mine = f"{type(error).__name__}: {error}" if error is not None else None
+    if accelerator.num_processes > 1:
+        everyone = gather_object([(accelerator.process_index, mine)])
+    else:
+        everyone = [(accelerator.process_index, mine)]
+    if error is not None:
+        raise error
+    failures = [f"on process {index}: {message}" for index, message in everyone if message is not None]
+    if failures:
+        raise peer_error(f"{what} failed {'; '.join(failures)}")
 
 
 def private_store(prefix: str):

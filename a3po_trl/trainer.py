@@ -45,7 +45,7 @@ from .builders import (
 from .checkpoints import resolve_resume_checkpoint, save_checkpoint_atomically
 from .checkpoints.batch_order import load_batch_order, permute_rows, save_batch_order
 from .config import AsyncA3POConfig, trainer_config
-from .distributed import destroy_process_group_at_exit
+from .distributed import destroy_process_group_at_exit, raise_together
 from .generation import BatchProducer, GenerationBackend
 from .generation.weights.gather import whole_state_dict
 from .generation.weights.names import ACTIVATION_CHECKPOINT_PREFIX, strip_checkpoint_wrapper_from_files
@@ -395,7 +395,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         position = micro_step.position % self._plan.micro_steps_per_batch
         if position == 0 or self._buffered_inputs is None:
             with self.timeline.span(TRAINING_LANE, "take batch") as span_args:
-                scored, waited = self._producer.get()
+                scored, waited = self._take_batch()
                 self._step_timeline.batch_taken(scored.index, scored.version)
                 planned = self._plan.batches[scored.index]
                 batch = make_training_batch(self, scored, waited, planned, self._weight_sync_seconds)
@@ -405,6 +405,17 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             self._buffered_inputs = split_tensor_dict(batch, self.args.steps_per_generation)
         self._step_timeline.inputs_ready()
         return self._buffered_inputs[position % self.args.steps_per_generation]
+
+    def _take_batch(self):
+        """The producer's next batch. The processes agree first on whether each has one: a process whose generation
+        failed would otherwise leave the others in the collectives that follow."""
+        taken, error = None, None
+        try:
+            taken = self._producer.get()
+        except Exception as failure:  # noqa: BLE001 - raised on every process by raise_together
+            error = failure
+        raise_together(self.accelerator, error, "Taking the next generation batch")
+        return taken
 
     def _order_rows(self, batch: dict, planned) -> dict:
         """Shuffle the rows of a new generation batch as GRPOTrainer does; the first batch of a run resumed inside

@@ -33,6 +33,22 @@ def start_server(model_dir, port, log_path, max_model_len: int = 256, slow_steps
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def stop_server(process, grace_seconds: float = 30) -> None:
+    """Stop a server from :func:`start_server` and everything it started (its own process group): SIGTERM, then
+    SIGKILL if it is still there after ``grace_seconds``. Nothing happens if it already exited."""
+    import signal
+    import subprocess
+
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(grace_seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(grace_seconds)
+
+
 def wait_healthy(process, url, log_path, timeout=300):
     import requests
 

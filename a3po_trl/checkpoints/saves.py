@@ -33,6 +33,7 @@ from collections.abc import Callable
 from accelerate.utils import broadcast_object_list, gather_object
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
+from ..distributed import raise_together
 from .files import (
     STAGING_PREFIX,
     TRAINER_STATE_NAME,
@@ -60,21 +61,6 @@ class CheckpointError(RuntimeError):
 
 
 # ---- deciding together --------------------------------------------------------------------------------------------
-def _raise_together(accelerator, error: BaseException | None, what: str) -> None:
-    """Tell every process whether ``what`` failed on this one; every process raises if it failed on any (a process's
-    own error with its traceback, the others a :class:`CheckpointError` naming it). A collective: call on all."""
-    mine = f"{type(error).__name__}: {error}" if error is not None else None
-    if accelerator.num_processes > 1:
-        everyone = gather_object([(accelerator.process_index, mine)])
-    else:
-        everyone = [(accelerator.process_index, mine)]
-    if error is not None:
-        raise error
-    failures = [f"on process {index}: {message}" for index, message in everyone if message is not None]
-    if failures:
-        raise CheckpointError(f"{what} failed {'; '.join(failures)}")
-
-
 def _decide_on_main(accelerator, decide: Callable[[], object], what: str):
     """``decide()`` on the main process, its result on every process; if it raised, every process raises."""
     error, outcome = None, [None, None]
@@ -275,9 +261,9 @@ def save_checkpoint_atomically(trainer, trial, write: Callable[[], None]) -> str
     if args.should_save:
         try:
             _prepare(trainer, run_dir, staging_root)
-        except Exception as caught:  # noqa: BLE001 - raised on every process by _raise_together
+        except Exception as caught:  # noqa: BLE001 - raised on every process by raise_together
             error = caught
-    _raise_together(accelerator, error, f"Preparing {final}")
+    raise_together(accelerator, error, f"Preparing {final}", CheckpointError)
 
     push_to_hub, args.push_to_hub = args.push_to_hub, False
     trainer._checkpoint_staging_dir = staging_root
@@ -287,21 +273,21 @@ def save_checkpoint_atomically(trainer, trial, write: Callable[[], None]) -> str
         seen, problems = _flush_own_files(staged)
         if problems:
             error = CheckpointError(f"Writing {final}: {'; '.join(problems)}")
-    except Exception as caught:  # noqa: BLE001 - raised on every process by _raise_together
+    except Exception as caught:  # noqa: BLE001 - raised on every process by raise_together
         error = caught
     finally:
         trainer._checkpoint_staging_dir = None
         args.push_to_hub = push_to_hub
     files_seen = gather_object([seen]) if accelerator.num_processes > 1 else [seen]
-    _raise_together(accelerator, error, f"Writing {final}")
+    raise_together(accelerator, error, f"Writing {final}", CheckpointError)
 
     error = None
     if args.should_save:
         try:
             _publish_staged(trainer, run_dir, staged, final, files_seen)
-        except Exception as caught:  # noqa: BLE001 - raised on every process by _raise_together
+        except Exception as caught:  # noqa: BLE001 - raised on every process by raise_together
             error = caught
-    _raise_together(accelerator, error, f"Publishing {final}")
+    raise_together(accelerator, error, f"Publishing {final}", CheckpointError)
     if push_to_hub:
         trainer._push_from_checkpoint(final)
     return final

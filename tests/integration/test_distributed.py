@@ -51,7 +51,7 @@ main_process_port: {port}
 """
 
 
-def _launch(tmp_path, name, lora, port, *extra):
+def _launch(tmp_path, name, lora, port, *extra, check=True):
     config = tmp_path / f"{name}.yaml"
     config.write_text(COMMON.format(port=port) + textwrap.dedent(CONFIGS[name]))
     out = tmp_path / "out"
@@ -62,6 +62,8 @@ def _launch(tmp_path, name, lora, port, *extra):
         cmd.append("--lora")
     cmd.extend(extra)
     result = run_process_tree(cmd, env=env, timeout=900, cwd=ROOT)
+    if not check:
+        return result, [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     assert "terminate called" not in result.stderr, result.stderr[-6000:]
     reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
@@ -174,3 +176,18 @@ def test_two_processes_fill_their_batches_by_dynamic_sampling_from_disjoint_prom
         slices = [r["drawn_prompts"][16 * epoch : 16 * (epoch + 1)] for r in reports]
         assert all(len(set(drawn)) == len(drawn) for drawn in slices)
         assert not set(slices[0]) & set(slices[1])
+
+
+def test_a_generation_failing_in_one_process_ends_both_naming_its_error(tmp_path):
+    """Process 1's generation raises on its second batch while process 0 has its own: process 1's train() raises that
+    error, and process 0's, instead of going on to the batch's collectives (where it waited for process 1 until it
+    exited, then failed with gloo's "connection closed by peer"), raises one naming process 1 and its error."""
+    result, (first, second) = _launch(tmp_path, "ddp", False, 29950, "--fail-rank", "1", check=False)
+    assert result.returncode != 0
+    assert second["error"] == "RuntimeError: generation failure injected in process 1", second["error"]
+    assert first["error"] == (
+        "PeerProcessFailed: Taking the next generation batch failed on process 1: "
+        "RuntimeError: generation failure injected in process 1"
+    ), first["error"]
+    for report in (first, second):
+        assert "a3po-generation" not in report["threads_alive"]

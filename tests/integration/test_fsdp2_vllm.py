@@ -11,13 +11,11 @@ weights) run after those that only add adapters.
 
 import json
 import os
-import signal
-import subprocess
 
 import pytest
 from helpers import free_port, launch_fsdp2
 from tiny import make_vllm_model
-from vllm_launch import start_server, wait_healthy
+from vllm_launch import start_server, stop_server, wait_healthy
 from vllm_lockstep import check_lockstep_reports
 
 pytest.importorskip("vllm")
@@ -126,12 +124,7 @@ def server(tmp_path_factory, tokenizer):
         wait_healthy(process, url, root / "server.log")
         yield {"url": url, "model": root / "model"}
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
+        stop_server(process)
 
 
 def test_fsdp2_processes_load_their_own_adapters_on_one_server(tmp_path, server):

@@ -15,7 +15,7 @@ import torch
 from helpers import COMMON as TRAINER_COMMON
 from helpers import free_port, logged
 from tiny import length_reward, make_prompts, make_tokenizer, make_vllm_model
-from vllm_launch import launch_two_processes, start_server, wait_healthy
+from vllm_launch import launch_two_processes, start_server, stop_server, wait_healthy
 from vllm_lockstep import check_lockstep_reports
 
 pytest.importorskip("vllm")
@@ -279,7 +279,6 @@ def test_stop_ends_a_running_batch_within_a_decoding_step(tokenizer, tmp_path):
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory, tokenizer):
     """One server for the module, on a saved tiny model; the tests that leave it with other weights run last."""
-    import signal
 
     root = tmp_path_factory.mktemp("vllm-server")
     make_vllm_model(tokenizer).save_pretrained(root / "model")
@@ -291,12 +290,7 @@ def vllm_server(tmp_path_factory, tokenizer):
         wait_healthy(process, url, log_path)
         yield {"url": url, "port": port, "model": root / "model", "process": process}
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(30)
-            except Exception:  # noqa: BLE001
-                os.killpg(process.pid, signal.SIGKILL)
+        stop_server(process)
 
 
 def make_server_trainer(tokenizer, tmp_path, server, peft_config=None, **overrides):
@@ -423,10 +417,12 @@ def test_two_ddp_processes_colocated_engines_load_versions_mid_batch(tmp_path, s
 @pytest.mark.slow
 def test_an_engine_failing_in_one_process_ends_both_processes(tmp_path, saved_model):
     """Process 1's engine raises on its second batch: that process's train() raises naming the cause, and the other
-    process, left waiting in a collective, ends too instead of hanging."""
+    process's, instead of waiting for it in the collectives that follow, raises naming process 1 and the cause."""
     result, seconds, reports = launch_two_processes(tmp_path, saved_model, "colocate", "--fail-rank", "1", timeout=600)
     assert result.returncode != 0
     assert "engine failure injected in process 1" in reports[1]["error"]
+    assert reports[0]["error"].startswith("PeerProcessFailed: Taking the next generation batch failed on process 1: ")
+    assert "engine failure injected in process 1" in reports[0]["error"], reports[0]["error"]
     assert "a3po-generation" not in reports[1]["threads_alive"]
     assert seconds < 400  # the launcher returned: no rank was left waiting (a hang would run into the timeout)
 
@@ -498,12 +494,14 @@ def test_two_training_processes_share_one_full_weight_server(tmp_path, vllm_serv
 @pytest.mark.slow
 def test_a_generation_failing_in_one_process_sharing_a_full_weight_server_ends_both(tmp_path, vllm_server):
     """Process 1's generation raises on its second batch while process 0 may be waiting for it to finish with the
-    server's version: both processes end (process 1 naming the cause), no rank left waiting."""
+    server's version: both processes end, each naming the cause, no rank left waiting."""
     result, seconds, reports = launch_two_processes(
         tmp_path, vllm_server["model"], "server", "--url", vllm_server["url"], "--fail-rank", "1", timeout=600
     )
     assert result.returncode != 0
-    assert "engine failure injected in process 1" in reports[1]["error"]
+    assert sorted(reports) == [0, 1], result.stderr[-3000:]
+    for report in reports.values():  # process 0: its own generation's error or the agreement's, both naming the cause
+        assert "engine failure injected in process 1" in report["error"], report["error"]
     assert "a3po-generation" not in reports[1]["threads_alive"]
     assert seconds < 400  # the launcher returned: no rank was left waiting (a hang would run into the timeout)
 

@@ -16,7 +16,7 @@ from helpers import COMMON as TRAINER_COMMON
 from helpers import SWITCH_AFTER, free_port, logged
 from in_flight_replay import LOGP_TOLERANCE, full_forward, long_prompts, moved, plain_copy, replay
 from tiny import length_reward, make_prompts, make_vllm_model
-from vllm_launch import launch_two_processes, start_server, wait_healthy
+from vllm_launch import launch_two_processes, start_server, stop_server, wait_healthy
 from vllm_lockstep import EngineLockstep
 
 pytest.importorskip("vllm")
@@ -41,7 +41,6 @@ COMMON = {
 def vllm_server(tmp_path_factory, tokenizer):
     """One `trl vllm-serve` server for the module (it adds --enable-scale-out and dev mode), on a saved tiny model,
     with room for prompts longer than a KV-cache block and long completions after them."""
-    import signal
 
     root = tmp_path_factory.mktemp("vllm-server-in-flight")
     make_vllm_model(tokenizer).save_pretrained(root / "model")
@@ -58,12 +57,7 @@ def vllm_server(tmp_path_factory, tokenizer):
         assert answer["wrapped"] and answer["step_seconds"] > 0, answer
         yield {"url": url, "model": root / "model"}
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(30)
-            except Exception:  # noqa: BLE001
-                os.killpg(process.pid, signal.SIGKILL)
+        stop_server(process)
 
 
 def make_trainer(tokenizer, tmp_path, server, **overrides):

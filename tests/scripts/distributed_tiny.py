@@ -2,7 +2,7 @@
 
 accelerate launch --config_file CONFIG tests/scripts/distributed_tiny.py OUT_DIR [--lora] [--reward-model] [--tools]
     [--dynamic-sampling]
-    [--in-flight]
+    [--in-flight] [--fail-rank R]
 
 ``--tools`` trains with an environment (a counter tool and an environment-owned reward) through a scripted
 ``generate`` that calls the tool on a third of the rows: the report then says which threads ran the tool calls and
@@ -12,6 +12,10 @@ the logged tool statistics.
 report then holds the prompts this process drew, and how many generation batches it drew beyond one per batch.
 ``--in-flight`` trains with ``in_flight_weight_updates=True`` and deterministic switch points (``helpers.Lockstep``,
 lag 1): the report then holds each batch's token versions and the versions the schedule says they must be.
+
+``--fail-rank R``: process R's generation raises on its second batch, while the other process has its own second
+batch: each process's report then holds only the error its ``train()`` raised and the threads left, and the process
+exits with 1.
 
 ``--reward-model`` adds a reward model beside the reward function and normalises advantages with the batch's std
 (``scale_rewards="batch"``), both of which need every process: the report then says which thread ran the reward
@@ -51,6 +55,7 @@ def main():
     with_tools = "--tools" in sys.argv
     dynamic_sampling = "--dynamic-sampling" in sys.argv
     in_flight = "--in-flight" in sys.argv
+    fail_rank = int(sys.argv[sys.argv.index("--fail-rank") + 1]) if "--fail-rank" in sys.argv else None
     tokenizer = make_tool_tokenizer() if with_tools else make_tokenizer()
     peft_config = None
     if lora:
@@ -109,6 +114,8 @@ def main():
         return data
 
     trainer_module.make_training_batch = recording_make_training_batch
+    if fail_rank is not None:
+        return _fail_second_batch_in(trainer, fail_rank, out_dir)  # exits with 1
     trainer.train()
     policy = trainer.last_batch_producer.backend
     policy.refresh()  # load the last published weights (version = final global_step)
@@ -158,6 +165,37 @@ def main():
         json.dump(report, f)
     # No explicit destroy_process_group here, as in TRL's own scripts: the trainer registered it with atexit
     # (a3po_trl/distributed.py), which is what keeps gloo from aborting a rank at interpreter exit.
+
+
+def _fail_second_batch_in(trainer, fail_rank, out_dir):
+    """Make process ``fail_rank``'s backend raise on its second batch, then train: each process writes its error."""
+    rank = trainer.accelerator.process_index
+    if rank == fail_rank:
+        build = trainer._build_backend
+
+        def failing_backend():
+            backend, calls = build(), []
+            generate = backend.generate
+
+            def generate_then_fail(*args, **kwargs):
+                calls.append(1)
+                if len(calls) == 2:
+                    raise RuntimeError(f"generation failure injected in process {rank}")
+                return generate(*args, **kwargs)
+
+            backend.generate = generate_then_fail
+            return backend
+
+        trainer._build_backend = failing_backend
+    try:
+        trainer.train()
+    except Exception as error:
+        threads = sorted(t.name for t in threading.enumerate())
+        report = {"error": f"{type(error).__name__}: {error}", "threads_alive": threads}
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(report, f)
+        sys.exit(1)
+    raise AssertionError(f"train() ended without an error in process {rank}")
 
 
 def _half_flat_reward(drawn):
