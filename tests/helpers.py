@@ -141,6 +141,27 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FSDP2_EXAMPLE = os.path.join(ROOT, "examples", "accelerate_configs", "fsdp2.yaml")
 
 
+def fail_second_generation(trainer, message: str) -> None:
+    """Make the backend ``trainer`` builds raise ``RuntimeError(message)`` on its second ``generate`` call (the
+    `accelerate launch` test scripts' ``--fail-rank``: one process's generation failing mid-run)."""
+    build = trainer._build_backend
+
+    def failing_backend():
+        backend, calls = build(), []
+        generate = backend.generate
+
+        def generate_then_fail(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError(message)
+            return generate(*args, **kwargs)
+
+        backend.generate = generate_then_fail
+        return backend
+
+    trainer._build_backend = failing_backend
+
+
 def launch_fsdp2(tmp_path, script, *args, fsdp_config=None, timeout=600, mixed_precision="no"):
     """``script OUT *args`` under ``accelerate launch`` with examples/accelerate_configs/fsdp2.yaml (two processes;
     ``mixed_precision``, off by default; a free port; ``fsdp_config`` entries overridden), the repository on

@@ -279,7 +279,6 @@ def test_stop_ends_a_running_batch_within_a_decoding_step(tokenizer, tmp_path):
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory, tokenizer):
     """One server for the module, on a saved tiny model; the tests that leave it with other weights run last."""
-
     root = tmp_path_factory.mktemp("vllm-server")
     make_vllm_model(tokenizer).save_pretrained(root / "model")
     port = free_port()

@@ -41,7 +41,6 @@ COMMON = {
 def vllm_server(tmp_path_factory, tokenizer):
     """One `trl vllm-serve` server for the module (it adds --enable-scale-out and dev mode), on a saved tiny model,
     with room for prompts longer than a KV-cache block and long completions after them."""
-
     root = tmp_path_factory.mktemp("vllm-server-in-flight")
     make_vllm_model(tokenizer).save_pretrained(root / "model")
     port = free_port()

@@ -29,7 +29,13 @@ import threading
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from helpers import Lockstep, distributed_script_config, generator_matches, logged  # noqa: E402
+from helpers import (  # noqa: E402
+    Lockstep,
+    distributed_script_config,
+    fail_second_generation,
+    generator_matches,
+    logged,
+)
 from tiny import (  # noqa: E402
     CALL,
     DONE,
@@ -171,22 +177,7 @@ def _fail_second_batch_in(trainer, fail_rank, out_dir):
     """Make process ``fail_rank``'s backend raise on its second batch, then train: each process writes its error."""
     rank = trainer.accelerator.process_index
     if rank == fail_rank:
-        build = trainer._build_backend
-
-        def failing_backend():
-            backend, calls = build(), []
-            generate = backend.generate
-
-            def generate_then_fail(*args, **kwargs):
-                calls.append(1)
-                if len(calls) == 2:
-                    raise RuntimeError(f"generation failure injected in process {rank}")
-                return generate(*args, **kwargs)
-
-            backend.generate = generate_then_fail
-            return backend
-
-        trainer._build_backend = failing_backend
+        fail_second_generation(trainer, f"generation failure injected in process {rank}")
     try:
         trainer.train()
     except Exception as error:

@@ -27,7 +27,7 @@ import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from helpers import distributed_script_config, logged  # noqa: E402
+from helpers import distributed_script_config, fail_second_generation, logged  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 from tiny import length_reward, make_prompts, make_tokenizer, make_vllm_model  # noqa: E402
 from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
@@ -159,22 +159,7 @@ def main():
 
         trainer.add_callback(KillServer())
     if fail_rank is not None and rank == int(fail_rank):
-        build = trainer._build_backend
-
-        def failing_backend():
-            backend = build()
-            generate, calls = backend.generate, []
-
-            def generate_then_fail(*args, **kwargs):
-                calls.append(1)
-                if len(calls) == 2:
-                    raise RuntimeError(f"engine failure injected in process {rank}")
-                return generate(*args, **kwargs)
-
-            backend.generate = generate_then_fail
-            return backend
-
-        trainer._build_backend = failing_backend
+        fail_second_generation(trainer, f"engine failure injected in process {rank}")
     try:
         trainer.train()
     except BaseException as error:  # noqa: BLE001 - reported to the test
