@@ -112,7 +112,9 @@ class AsyncA3POConfig(GRPOConfig):
             engine steps) and a vLLM server with full weights (its pause with requests kept / load / resume, also when
             several training processes share it), with `behavior_logps_source="generation"` and
             `async_generation=True`; refused with LoRA on vLLM, a server without vLLM's dev-mode and token routes,
-            `reproducible_generation=True` (the switch points depend on timing) and a `rollout_func`.
+            `reproducible_generation=True` (the switch points depend on timing) and a `rollout_func`. Off by default:
+            its pre-registered benchmark found no difference in step time, generator idle time, token staleness or
+            accuracy at equal wall-clock (docs/BENCHMARKS.md).
         generation_device (`str` or `None`, *optional*, defaults to `None`):
             Device of the generator's copy of the weights, e.g. `"cuda:1"`. `None` uses the training device. On
             another device, frozen weights cannot be shared and are copied too.
