@@ -1,0 +1,112 @@
+"""The exact reference of A-3PO's interpolated anchor: the log-probs of the weight version it targets.
+
+A-3PO's anchor for a token trained by the weights of version ``v`` (``v = global_step``, the optimizer steps taken)
+interpolates between the behavior log-probs (version ``v - d``) and the current ones (version ``v``) with weight
+``w = 1/d`` on the behavior's: were log-probs linear in the version, it would equal the log-probs of version
+``v - 1``, *one version before the trained weights*, whatever the token's staleness ``d >= 1``, whatever the batch's
+age, with one optimizer step per generation batch or several. That version is the interpolation's target, and the
+reference of every check of it.
+
+The weights of version ``v - 1`` are the trainable parameters as the optimizer step that made version ``v`` found
+them. :class:`PreviousVersionWeights` keeps a copy of the trainable parameters at a version (taken after the optimizer
+step that made it, before the next one: ``keep(model, v - 1)``), and computes a micro-batch's log-probs with them
+exchanged into the model for one no-grad forward (:meth:`PreviousVersionWeights.logps`): the same forward the
+training step runs (the trainer's ``_get_per_token_logps_and_entropies``), on the same model, so the reference differs
+from the target version's own forward by nothing but the exchanged values. Only the trainable parameters are kept:
+with LoRA, the adapters.
+
+The exchange is in place and exact (a copy, no arithmetic), one parameter at a time (peak extra memory: the kept copy
+plus the largest parameter), and undone before the call returns, also when the forward raises. It must run where no
+autograd graph holds the parameters (before the micro-step's training forward): the training thread is the only one
+that touches the trained parameters (the generator holds its own copy of whatever training changes).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """``(name, parameter)`` of every parameter the optimizer trains (``requires_grad``), in the model's order."""
+    return [(name, parameter) for name, parameter in model.named_parameters() if parameter.requires_grad]
+
+
+def _local_values(parameter: torch.Tensor) -> torch.Tensor:
+    """The tensor that holds this process's values of ``parameter``: DeepSpeed ZeRO-3 keeps them in ``ds_tensor``
+    (the parameter itself is empty outside a forward); otherwise the parameter (a DTensor under FSDP2, whose copy
+    and clone act on its local shard)."""
+    return getattr(parameter, "ds_tensor", parameter).detach()
+
+
+class PreviousVersionWeights:
+    """A copy of a model's trainable parameters at one weight version, and the log-probs of that version.
+
+    ``keep(model, version)`` copies them (replacing what was kept); ``version`` is the version kept (``None`` before
+    the first ``keep``); ``logps(...)`` runs one no-grad forward with the kept values in place of the model's.
+    """
+
+    def __init__(self) -> None:
+        self.version: int | None = None
+        self._names: list[str] = []
+        self._values: list[torch.Tensor] = []
+
+    def keep(self, model: torch.nn.Module, version: int, device: torch.device | str | None = None) -> None:
+        """Copy ``model``'s trainable parameters as they are now, as version ``version``, to ``device`` (each
+        parameter's own by default)."""
+        named = trainable_parameters(model)
+        with torch.no_grad():
+            values = [_local_values(parameter).clone() for _, parameter in named]
+            if device is not None:
+                values = [value.to(device) for value in values]
+        self._names = [name for name, _ in named]
+        self._values = values
+        self.version = version
+
+    def forget(self) -> None:
+        """Drop the kept copy (its memory)."""
+        self.version, self._names, self._values = None, [], []
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the kept copy holds."""
+        return sum(value.numel() * value.element_size() for value in self._values)
+
+    @contextmanager
+    def swapped_in(self, model: torch.nn.Module):
+        """Within the block, ``model``'s trainable parameters hold the kept values (and the kept copy the model's);
+        both are exchanged back when it ends."""
+        if self.version is None:
+            raise RuntimeError("PreviousVersionWeights.swapped_in before any keep(): no version is kept.")
+        named = trainable_parameters(model)
+        if [name for name, _ in named] != self._names:
+            raise RuntimeError(
+                "The model's trainable parameters are not those kept (another model, or requires_grad changed since "
+                "keep()): the kept version cannot be swapped in."
+            )
+        parameters = [_local_values(parameter) for _, parameter in named]
+        self._exchange(parameters)
+        try:
+            yield
+        finally:
+            self._exchange(parameters)
+
+    def _exchange(self, parameters: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for parameter, kept in zip(parameters, self._values):
+                held = parameter.clone()
+                parameter.copy_(kept)
+                kept.copy_(held)
+
+    def logps(self, trainer, model: torch.nn.Module, inputs: dict, weights_of: torch.nn.Module) -> torch.Tensor:
+        """Per-token log-probs ``(B, T)`` of ``inputs``' completions under the kept version: ``trainer``'s own
+        training forward (``_get_per_token_logps_and_entropies``, no grad) through ``model`` (as the loss calls it,
+        possibly wrapped) with the kept values exchanged into ``weights_of`` (the unwrapped model whose trainable
+        parameters were kept)."""
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        with self.swapped_in(weights_of), torch.no_grad():
+            return trainer._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, inputs["completion_ids"].size(1)
+            )[0]
