@@ -1,0 +1,124 @@
+"""The exact reference of A-3PO's anchor (:mod:`a3po_trl.proximal_check`): the log-probs of the version one before
+the trained weights, computed by exchanging that version's trainable weights into the model for one forward."""
+
+import copy
+
+import pytest
+import torch
+from helpers import make_trainer, model_weights
+from peft import LoraConfig, get_peft_model
+from tiny import make_model
+from transformers import TrainerCallback
+
+from a3po_trl.proximal_check import PreviousVersionWeights
+
+
+class _ReferenceRecorder:
+    """Keeps version ``v``'s weights before the optimizer step that ends it, and at every training micro-step the
+    reference log-probs of its micro-batch; with ``copies``, also a whole copy of the model at every version."""
+
+    def __init__(self, trainer, copies: bool):
+        self.previous = PreviousVersionWeights()
+        self.references = []  # (global_step, inputs, reference log-probs)
+        self.models = {}
+        recorder = self
+
+        class Keep(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                if copies:
+                    recorder.models[state.global_step] = copy.deepcopy(trainer._unwrapped_model())
+
+            def on_pre_optimizer_step(self, args, state, control, **kwargs):
+                recorder.previous.keep(trainer._unwrapped_model(), state.global_step)
+
+            def on_step_end(self, args, state, control, **kwargs):
+                if copies:
+                    recorder.models[state.global_step] = copy.deepcopy(trainer._unwrapped_model())
+
+        trainer.add_callback(Keep())
+        original = trainer.compute_loss
+
+        def compute_loss(model, inputs, *args, **kwargs):
+            step = trainer.state.global_step
+            if model.training and recorder.previous.version == step - 1:
+                logps = recorder.previous.logps(trainer, model, inputs, trainer._unwrapped_model())
+                recorder.references.append((step, {k: v for k, v in inputs.items()}, logps))
+            return original(model, inputs, *args, **kwargs)
+
+        trainer.compute_loss = compute_loss
+
+
+def _forward(trainer, model, inputs):
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    with torch.no_grad():
+        return trainer._get_per_token_logps_and_entropies(model, ids, mask, inputs["completion_ids"].size(1))[0]
+
+
+@pytest.mark.parametrize("steps_per_generation", [1, 2], ids=["one-step-per-batch", "two-steps-per-batch"])
+def test_the_reference_is_the_forward_of_the_version_before_the_trained_weights(
+    tokenizer, tmp_path, steps_per_generation
+):
+    trainer = make_trainer(
+        tokenizer,
+        tmp_path,
+        max_steps=4,
+        steps_per_generation=steps_per_generation,
+        per_device_train_batch_size=4 // steps_per_generation * steps_per_generation,
+        max_staleness=2,
+        reproducible_generation=True,
+    )
+    recorder = _ReferenceRecorder(trainer, copies=True)
+    trainer.train()
+    steps = [step for step, _, _ in recorder.references]
+    assert steps == [1, 2, 3]  # every step but the first has a version before it
+    differs = []
+    for step, inputs, reference in recorder.references:
+        torch.testing.assert_close(reference, _forward(trainer, recorder.models[step - 1], inputs), rtol=0, atol=0)
+        differs.append(not torch.equal(reference, _forward(trainer, recorder.models[step], inputs)))
+    assert any(differs)  # not the trained weights' own (where a step moved them): the check measures something
+
+
+def test_taking_the_reference_leaves_training_unchanged(tokenizer, tmp_path):
+    settings = dict(max_steps=3, steps_per_generation=2, max_staleness=2, reproducible_generation=True)
+    plain = make_trainer(tokenizer, tmp_path / "plain", **settings)
+    plain.train()
+    checked = make_trainer(tokenizer, tmp_path / "checked", **settings)
+    recorder = _ReferenceRecorder(checked, copies=False)
+    checked.train()
+    assert len(recorder.references) == 2
+    for name, value in model_weights(plain).items():
+        torch.testing.assert_close(model_weights(checked)[name], value, rtol=0, atol=0)
+
+
+def test_with_lora_only_the_adapters_are_kept_and_exchanged(tokenizer):
+    model = get_peft_model(make_model(tokenizer), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    kept = PreviousVersionWeights()
+    kept.keep(model, version=3)
+    adapters = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
+    assert kept.nbytes == adapters and kept.version == 3
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.add_(1.0)
+    moved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with kept.swapped_in(model):
+        for name, parameter in model.named_parameters():
+            torch.testing.assert_close(parameter, before[name], rtol=0, atol=0)
+    for name, parameter in model.named_parameters():  # exchanged back, and the kept copy is version 3's again
+        torch.testing.assert_close(parameter, moved[name], rtol=0, atol=0)
+    with kept.swapped_in(model):
+        torch.testing.assert_close(dict(model.named_parameters())[name], before[name], rtol=0, atol=0)
+
+
+def test_swapping_into_another_model_is_refused(tokenizer):
+    kept = PreviousVersionWeights()
+    with pytest.raises(RuntimeError, match="before any keep"):
+        with kept.swapped_in(make_model(tokenizer)):
+            pass
+    kept.keep(make_model(tokenizer), version=0)
+    other = make_model(tokenizer, num_layers=1)
+    with pytest.raises(RuntimeError, match="not those kept"):
+        with kept.swapped_in(other):
+            pass
