@@ -10,11 +10,13 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-PROXIMAL_METHODS = ("loglinear", "recompute", "metrics", "behavior")
+PROXIMAL_METHODS = ("loglinear", "recompute", "metrics", "behavior", "guarded")
 """How the proximal log-probs are obtained: A-3PO's interpolation, the log-probs of the weights of the batch's first
-optimizer step (``recompute``), both (``metrics``, to measure the error), or not at all (``behavior``: the ablation
-without a proximal policy, the trust region anchored at the behavior policy). :mod:`a3po_trl.losses` says what each
-computes, and when ``recompute`` pays a forward."""
+optimizer step (``recompute``), both (``metrics``, to measure the error), not at all (``behavior``: the ablation
+without a proximal policy, the trust region anchored at the behavior policy), or the interpolation checked against its
+exact target every few batches with ``recompute``'s anchor while it is off by more than a budget (``guarded``,
+:mod:`a3po_trl.proximal_guard`). :mod:`a3po_trl.losses` says what each computes, and when ``recompute`` pays a
+forward."""
 
 CAP_MODES = ("token_mask", "token_truncate", "sequence_mask", "sequence_truncate")
 """How the behavior importance weight is capped: per token or per sequence (geometric mean), masked or clamped."""
@@ -64,7 +66,20 @@ class AsyncA3POConfig(GRPOConfig):
             too, as GRPOTrainer's own `generate` path ignores it. It costs nothing. Without truncation it equals
             `"loglinear"` at staleness 0 and 1 (and GRPOTrainer at staleness 0); at larger staleness the clipped ratio
             measures the whole drift from the stale weights instead of about one step of it, so more tokens clip and
-            nothing reweights them.
+            nothing reweights them. `"guarded"` trains with `"loglinear"` and checks it: every `prox_check_interval`
+            generation batches one no-grad forward per micro-step of the batch computes the log-probs of the version
+            the interpolation targets (one before the trained weights), and while the interpolation's error exceeds
+            `prox_error_budget` the batches train with `"recompute"`'s anchor (docs/ARCHITECTURE.md has the math).
+        prox_check_interval (`int`, *optional*, defaults to `4`):
+            With `prox_logp_method="guarded"`: check the interpolation on every `prox_check_interval`-th generation
+            batch (batches 1, 1 + N, 1 + 2N, ... of the run). A check costs one no-grad forward over the checked batch,
+            and keeps a copy of the trainable weights (the adapters with LoRA) for the optimizer steps that train it.
+        prox_error_budget (`float`, *optional*, defaults to `1.0`):
+            With `prox_logp_method="guarded"`: the largest error of the interpolation a check accepts, relative to one
+            optimizer step's drift on the same tokens (mean `|interpolated - target|` over mean `|current - target|`,
+            tokens of staleness >= 1). Above it the batches train with the recomputed anchor until a check is within
+            it again. At 1.0 the interpolation is accepted while it is closer to its target than the trained weights
+            themselves.
         behavior_weight_cap (`float` or `None`, *optional*, defaults to `5.0`):
             Cap on the behavior importance weight `pi_prox / pi_behav`. Must be greater than 1; `None` disables it.
         behavior_weight_cap_mode (`str`, *optional*, defaults to `"token_mask"`):
@@ -224,9 +239,21 @@ class AsyncA3POConfig(GRPOConfig):
         metadata={
             "help": "How the proximal log-probs are obtained: 'loglinear' (A-3PO interpolation, no forward pass), "
             "'recompute' (the weights of the batch's first optimizer step: a no-grad forward per batch only when "
-            "it spans several optimizer steps), 'metrics' (recompute and log the loglinear error) or "
-            "'behavior' (ablation: the behavior policy as anchor, no behavior weight).",
+            "it spans several optimizer steps), 'metrics' (recompute and log the loglinear error), "
+            "'behavior' (ablation: the behavior policy as anchor, no behavior weight) or 'guarded' (loglinear, "
+            "checked every prox_check_interval batches, recompute while its error exceeds prox_error_budget).",
             "choices": list(PROXIMAL_METHODS),
+        },
+    )
+    prox_check_interval: int = field(
+        default=4,
+        metadata={"help": "prox_logp_method='guarded': check the interpolation every this many generation batches."},
+    )
+    prox_error_budget: float = field(
+        default=1.0,
+        metadata={
+            "help": "prox_logp_method='guarded': the interpolation's largest accepted error, over one optimizer "
+            "step's drift; above it the batches train with the recomputed anchor."
         },
     )
     behavior_weight_cap: float | None = field(
@@ -371,6 +398,16 @@ class AsyncA3POConfig(GRPOConfig):
         if self.prox_logp_method not in PROXIMAL_METHODS:
             raise ValueError(
                 f"prox_logp_method={self.prox_logp_method!r} is not supported; set it to one of {PROXIMAL_METHODS}."
+            )
+        if self.prox_check_interval < 1:
+            raise ValueError(
+                f"prox_check_interval={self.prox_check_interval} must be at least 1 (check every that many generation "
+                "batches)."
+            )
+        if not self.prox_error_budget > 0:
+            raise ValueError(
+                f"prox_error_budget={self.prox_error_budget} must be above 0 (the interpolation's accepted error over "
+                "one optimizer step's drift; 1.0 accepts it while closer to its target than the trained weights)."
             )
         if self.behavior_weight_cap_mode not in CAP_MODES:
             raise ValueError(

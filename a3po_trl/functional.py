@@ -405,3 +405,45 @@ def group_advantages(
         )
     is_std_zero = torch.isclose(std, torch.zeros_like(std))
     return torch.nan_to_num(advantages, nan=0.0), rewards, is_std_zero
+
+
+def interpolation_check_sums(
+    loglinear_logps: torch.Tensor,
+    current_logps: torch.Tensor,
+    exact_logps: torch.Tensor,
+    staleness: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """What a check of A-3PO's interpolation measures on one micro-batch, as sums to add up over micro-batches and
+    processes: ``[sum |loglinear - exact|, sum |current - exact|, count]`` (float64, shape ``(3,)``) over the masked
+    tokens of staleness ``d >= 1`` whose three log-probs are finite.
+
+    ``exact_logps`` are the log-probs of the version the interpolation targets, one before the trained weights
+    (:mod:`a3po_trl.proximal_check`); ``|current - exact|`` is the drift of one optimizer step on the same tokens, the
+    scale that makes the error comparable across learning rates. Tokens of ``d = 0`` are left out (their anchor is
+    the trained weights themselves, not the version before); at ``d = 1`` the interpolation is the behavior log-prob,
+    and its error the generator's numerics against the trainer's forward of the same weights.
+    """
+    staleness = _broadcast_to_tokens(staleness, current_logps)
+    values = torch.stack([loglinear_logps, current_logps, exact_logps]).detach().double()
+    checked = mask.bool() & (staleness >= 1) & torch.isfinite(values).all(dim=0)
+    zero = torch.zeros_like(values[0])
+    error = torch.where(checked, (values[0] - values[2]).abs(), zero).sum()
+    drift = torch.where(checked, (values[1] - values[2]).abs(), zero).sum()
+    return torch.stack([error, drift, checked.sum().double()])
+
+
+def interpolation_check_verdict(sums, budget: float) -> tuple[float | None, float | None, bool | None]:
+    """``(error, relative, exceeds)`` of a check's summed ``[error, drift, count]`` (:func:`interpolation_check_sums`,
+    on the host): the mean error per token in nats, the error over the mean drift of one optimizer step, and whether
+    the relative error exceeds ``budget``. ``(None, None, None)`` when no token was checked (nothing measured); a
+    relative error of 0 when neither the interpolation nor the policy moved off the target, infinite when only the
+    interpolation did."""
+    error_sum, drift_sum, count = (float(value) for value in sums)
+    if count == 0:
+        return None, None, None
+    if drift_sum > 0:
+        relative = error_sum / drift_sum
+    else:
+        relative = 0.0 if error_sum == 0 else float("inf")
+    return error_sum / count, relative, relative > budget

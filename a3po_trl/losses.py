@@ -60,8 +60,21 @@ PROXIMAL_METHOD_TABLE = {
     "recompute": ProximalMethod(anchor="current", interpolates=False),
     "metrics": ProximalMethod(anchor="current", interpolates=True),
     "behavior": ProximalMethod(anchor="behavior", interpolates=False),
+    # ``guarded`` is one of the two, batch by batch (``batch_method``): the interpolation is always computed, for
+    # the checks
+    "guarded-loglinear": ProximalMethod(anchor="loglinear", interpolates=True),
+    "guarded-recompute": ProximalMethod(anchor="current", interpolates=True),
 }
-"""``prox_logp_method`` -> what it computes (one entry per option of :data:`a3po_trl.PROXIMAL_METHODS`)."""
+"""``prox_logp_method`` -> what it computes (one entry per option of :data:`a3po_trl.PROXIMAL_METHODS`; ``guarded``
+through :func:`batch_method`)."""
+
+
+def batch_method(prox_logp_method: str, batch: dict) -> str:
+    """The entry of :data:`PROXIMAL_METHOD_TABLE` a micro-batch trains with: ``prox_logp_method``, except under
+    ``guarded``, where the guard chose for its generation batch (``guard_recompute``, a host tensor)."""
+    if prox_logp_method != "guarded":
+        return prox_logp_method
+    return "guarded-recompute" if bool(batch.get("guard_recompute", False)) else "guarded-loglinear"
 
 
 def needs_recompute_forward(method: str, versions_training_batch: int) -> bool:
@@ -108,7 +121,9 @@ class DecoupledLossMixin:
         """Add ``recomputed_proximal_logps`` (one no-grad forward of the current weights) and ``recompute_version``
         to each of ``micro_batches``, the generation batch ``batch_index``, if the method needs them
         (:func:`needs_recompute_forward`); otherwise nothing, and the loss anchors as the method says."""
-        if not needs_recompute_forward(self.args.prox_logp_method, versions_training_batch):
+        if not needs_recompute_forward(
+            batch_method(self.args.prox_logp_method, micro_batches[0]), versions_training_batch
+        ):
             return
         device = self.accelerator.device
         start = time.perf_counter()
@@ -139,9 +154,13 @@ class DecoupledLossMixin:
             raise ValueError("The AsyncA3POTrainer does not support returning outputs")
         if "behavior_logps" not in inputs:  # evaluation batches come from GRPOTrainer's synchronous path
             return self._compute_loss(model, inputs)
+        exact_logps = None
         if self.model.training:
             self._attach_proximal_logps_if_due(inputs)
-        return self._compute_a3po_loss(model, inputs)
+            guard = getattr(self, "proximal_guard", None)
+            if guard is not None:  # before the training forward: the reference's weights are exchanged in and out
+                exact_logps = guard.reference(self, model, inputs)
+        return self._compute_a3po_loss(model, inputs, exact_logps)
 
     def _proximal_logps(self, method: ProximalMethod, inputs, current_logps, staleness):
         """``(proximal, loglinear)`` log-probs as the method's table entry says: the A-3PO interpolation, the current
@@ -159,7 +178,7 @@ class DecoupledLossMixin:
         recomputed = inputs.get("recomputed_proximal_logps")
         return (current_logps.detach() if recomputed is None else recomputed), loglinear
 
-    def _compute_a3po_loss(self, model, inputs):
+    def _compute_a3po_loss(self, model, inputs, exact_logps=None):
         args = self.args
         mode = "train" if self.model.training else "eval"
         train = mode == "train"
@@ -188,8 +207,11 @@ class DecoupledLossMixin:
         # denominator of the behavior weight (the anchor stays the untruncated behavior policy).
         sampling_logps = inputs.get("sampling_logps", behavior_logps)
         staleness = token_staleness(self.state.global_step, inputs["token_versions"])
-        method = PROXIMAL_METHOD_TABLE[args.prox_logp_method]
+        method_name = batch_method(args.prox_logp_method, inputs)
+        method = PROXIMAL_METHOD_TABLE[method_name]
         proximal_logps, loglinear_logps = self._proximal_logps(method, inputs, current_logps, staleness)
+        if exact_logps is not None:  # a checked micro-batch of prox_logp_method="guarded"
+            self.proximal_guard.add(loglinear_logps, current_logps, exact_logps, staleness, mask)
         # The ``behavior`` ablation has no behavior weight: rho = pi_prox / pi_sampling with pi_prox = pi_behav would
         # still carry the sampler's truncation, so the weight's denominator is the behavior policy too (rho = 1
         # exactly), and the loss is GRPOTrainer's with the generating weights as "old" policy.
@@ -260,7 +282,10 @@ class DecoupledLossMixin:
         self._log_loss_metrics(mode, mask, staleness, entropies, stats, per_token_kl)
         self._log(mode, behavior_mismatch_metrics(self.accelerator, current_logps, behavior_logps, mask, staleness))
         self._log(mode, behavior_drift_metrics(self.accelerator, current_logps, behavior_logps, mask, staleness))
-        if method.anchor == "current" and method.interpolates:
+        if args.prox_logp_method == "guarded" and train:
+            guard_values = {"a3po/prox_recompute_fraction": float(method_name == "guarded-recompute")}
+            self._log(mode, {**guard_values, "a3po/prox_check_time": self.proximal_guard.timer.take()})
+        if args.prox_logp_method == "metrics":
             compared = mask.bool()
             if "recompute_version" in inputs:  # recomputed with the weights of the batch's first optimizer step only
                 # against recompute's anchor at every micro-step, with how many versions the trained weights are

@@ -34,10 +34,11 @@ def trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Par
 
 
 def _local_values(parameter: torch.Tensor) -> torch.Tensor:
-    """The tensor that holds this process's values of ``parameter``: DeepSpeed ZeRO-3 keeps them in ``ds_tensor``
-    (the parameter itself is empty outside a forward); otherwise the parameter (a DTensor under FSDP2, whose copy
-    and clone act on its local shard)."""
-    return getattr(parameter, "ds_tensor", parameter).detach()
+    """The plain tensor that holds this process's values of ``parameter`` (sharing its storage): DeepSpeed ZeRO-3
+    keeps them in ``ds_tensor`` (the parameter itself is empty outside a forward), FSDP2 in the DTensor's local
+    shard; otherwise the parameter itself."""
+    values = getattr(parameter, "ds_tensor", parameter).detach()
+    return values.to_local() if hasattr(values, "to_local") else values
 
 
 class PreviousVersionWeights:
@@ -68,6 +69,14 @@ class PreviousVersionWeights:
         """Drop the kept copy (its memory)."""
         self.version, self._names, self._values = None, [], []
 
+    def state(self) -> dict:
+        """What a checkpoint keeps: the version, the parameters' names and this process's values."""
+        return {"version": self.version, "names": list(self._names), "values": list(self._values)}
+
+    def load_state(self, state: dict) -> None:
+        """Take back what :meth:`state` returned (values on any device: they move to their parameter's on use)."""
+        self.version, self._names, self._values = state["version"], list(state["names"]), list(state["values"])
+
     @property
     def nbytes(self) -> int:
         """Bytes the kept copy holds."""
@@ -86,6 +95,7 @@ class PreviousVersionWeights:
                 "keep()): the kept version cannot be swapped in."
             )
         parameters = [_local_values(parameter) for _, parameter in named]
+        self._values = [kept.to(parameter.device) for kept, parameter in zip(self._values, parameters)]
         self._exchange(parameters)
         try:
             yield

@@ -53,6 +53,7 @@ from .generation.weights.version_checkpoint import save_kept_versions
 from .losses import DecoupledLossMixin
 from .metrics.deferred import resolve_metrics
 from .patches import align_position_ids_with_generation
+from .proximal_guard import KeepCheckedVersionCallback, ProximalGuard
 from .rollout.prompt_draws import save_prompt_draws
 from .rollout.rollout_func import generate_completions
 from .timeline import TRAINING_LANE, TimelineRecorder, TraceWriter, TrainingStepTimeline
@@ -163,6 +164,11 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         self._step_timeline = TrainingStepTimeline(self.timeline)
         self.add_callback(self._step_timeline)  # before the publication callback: a step's span ends before it
         self.add_callback(_PublishWeightsCallback(self))
+        self.proximal_guard: ProximalGuard | None = None
+        """The interpolation's checks and the anchor they chose, with ``prox_logp_method="guarded"``."""
+        if args.prox_logp_method == "guarded":
+            self.proximal_guard = ProximalGuard(args.prox_check_interval, args.prox_error_budget)
+            self.add_callback(KeepCheckedVersionCallback(self))
 
     # ---- batch producer --------------------------------------------------------------------------------------------
     def _unwrapped_model(self):
@@ -228,6 +234,9 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         if self._steps_in_epoch is None:  # batches taken outside train(): the loop's shape from its dataloader
             self.set_initial_training_values(self.args, self.get_train_dataloader())
         self._plan = plan_run(self)
+        if self.proximal_guard is not None:
+            process, device = self.accelerator.process_index, self.accelerator.device
+            self.proximal_guard.start_run(self._plan, self._steps_in_epoch, self._resume_checkpoint, process, device)
         self._producer, earlier = build_batch_producer(self, self._plan)
         self.last_batch_producer = self._producer
         model, version = self._unwrapped_model(), self.state.global_step
@@ -253,6 +262,8 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
                 save_batch_order(directory, self.accelerator.process_index, self._batch_order)
             if self.args.reproducible_generation and self._backend is not None and self.args.should_save:
                 save_kept_versions(self._backend, directory, before=self.state.global_step)
+            if self.proximal_guard is not None:  # every process: the anchor in use, the check in progress
+                self.proximal_guard.save(directory, self.accelerator.process_index)
             if self.args.dynamic_sampling and self._producer is not None:  # every process: where its prompts stand
                 os.makedirs(directory, exist_ok=True)
                 accelerator = self.accelerator

@@ -12,7 +12,8 @@ order, each a function of its own:
 2. :func:`score_deferred_rewards`: the reward models left to the main thread;
 3. :func:`advantages_over_processes`: GRPOTrainer's group advantages from every process's rewards, this process's rows;
 4. :func:`count_loss_tokens`: the generation batch's loss tokens over every process (``num_items_in_batch``);
-5. the batch's schedule tags, for the loss's proximal log-probs;
+5. the batch's schedule tags, for the loss's proximal log-probs (with ``prox_logp_method="guarded"``, the anchor the
+   guard chose for it and whether it is checked: :mod:`a3po_trl.proximal_guard`);
 6. :func:`reference_logps`: the reference model's log-probs (``beta != 0``);
 7. :func:`log_batch`: GRPOTrainer's batch metrics, the generator's timings, the completions table (with dynamic
    sampling, what filling the batch took: :func:`~a3po_trl.metrics.batch.dynamic_sampling_metrics`).
@@ -60,6 +61,10 @@ def make_training_batch(
     # on the host, so that reading them at every micro-step never waits for the GPU
     data["versions_training_batch"] = torch.tensor(planned.span)
     data["batch_index"] = torch.tensor(scored.index)
+    guard_metrics = {}
+    if getattr(trainer, "proximal_guard", None) is not None:  # "guarded": this batch's anchor, and whether checked
+        recompute, checked, guard_metrics = trainer.proximal_guard.begin_batch(planned, trainer.accelerator)
+        data["guard_recompute"], data["prox_check"] = torch.tensor(recompute), torch.tensor(checked)
     if trainer.beta != 0.0:
         input_ids = torch.cat([data["prompt_ids"], data["completion_ids"]], dim=1)
         attention_mask = torch.cat([data["prompt_mask"], data["completion_mask"]], dim=1)
@@ -67,7 +72,7 @@ def make_training_batch(
         with trainer.timeline.span(TRAINING_LANE, "reference forward", batch=scored.index):
             data["ref_per_token_logps"] = reference_logps(trainer, input_ids, attention_mask, logits_to_keep)
 
-    values = {**agent_values, "async/weight_sync_time": weight_sync_seconds}
+    values = {**agent_values, **guard_metrics, "async/weight_sync_time": weight_sync_seconds}
     if trainer.args.dynamic_sampling:
         args = trainer.args
         steps = args.steps_per_generation * trainer.num_iterations / args.gradient_accumulation_steps

@@ -75,9 +75,9 @@ def test_from_grpo_config_refuses_unknown_settings_and_other_types(tmp_path):
 
 
 def test_every_proximal_method_is_accepted_and_an_unknown_one_lists_them(tmp_path):
-    for method in ("loglinear", "recompute", "metrics", "behavior"):
+    for method in ("loglinear", "recompute", "metrics", "behavior", "guarded"):
         assert AsyncA3POConfig(**COMMON, output_dir=str(tmp_path), prox_logp_method=method).prox_logp_method == method
-    with pytest.raises(ValueError, match=r"'metrics', 'behavior'\)"):
+    with pytest.raises(ValueError, match=r"'metrics', 'behavior', 'guarded'\)"):
         AsyncA3POConfig(**COMMON, output_dir=str(tmp_path), prox_logp_method="behaviour")
 
 

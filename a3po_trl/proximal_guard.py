@@ -1,0 +1,186 @@
+"""``prox_logp_method="guarded"``: A-3PO's interpolation, checked against its exact target, and the recomputed anchor
+while the check finds it too far off.
+
+Every ``prox_check_interval`` generation batches (the run's batches ``1, 1 + N, 1 + 2N, ...``, numbered from the
+first batch of the first epoch, so a resumed run checks the batches an uninterrupted one checks) the guard measures,
+at every micro-step of that batch, the interpolation ``w b + (1 - w) c`` against the exact log-probs ``t`` of the
+version it targets, one before the trained weights (:mod:`a3po_trl.proximal_check`: that version's trainable weights
+are kept before the optimizer step that ends it, only when the next step trains a checked batch, and exchanged in for
+one no-grad forward). Over the checked batch's tokens of staleness ``d >= 1`` on every process
+(:func:`~a3po_trl.functional.interpolation_check_sums`), the check's error is the mean ``|w b + (1 - w) c - t|`` in
+nats, and its relative error that over the mean ``|c - t|``, one optimizer step's drift on the same tokens: 1.0 is an
+anchor as far from the target as the trained weights themselves, at any learning rate.
+
+When the trainer takes the next batch, the check is settled (one sum over processes, one read on the host, the same
+decision everywhere): a relative error above ``prox_error_budget`` makes every batch from then on train with
+``recompute``'s anchor (the weights of the batch's first optimizer step: a no-grad forward per batch where the batch
+spans several optimizer steps, the training forward's own log-probs otherwise), one within budget makes them train
+with the interpolation again. A check that measured no token (every token on-policy) leaves the anchor as it was.
+
+The state (the anchor in use, the check in progress, the counts, and the kept weights when a checked micro-step
+follows) goes into every checkpoint, one file per process, so that a resumed run continues with the decisions an
+uninterrupted run makes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+
+import torch
+from transformers import TrainerCallback
+
+from .functional import interpolation_check_sums, interpolation_check_verdict
+from .generation.schedule import PlannedBatch
+from .metrics.deferred import IntervalTimer
+from .proximal_check import PreviousVersionWeights
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "a3po_proximal_guard-rank{rank}.json"
+WEIGHTS_FILE = "a3po_proximal_guard_weights-rank{rank}.pt"
+
+
+class ProximalGuard:
+    """The guard's state and decisions (see the module's doc); one per trainer, used by the training thread only."""
+
+    def __init__(self, interval: int, budget: float):
+        self.interval = interval
+        self.budget = budget
+        self.recompute = False
+        """Whether the batches taken from now on train with the recomputed anchor."""
+        self.checks = 0
+        """Checks settled that measured at least one token."""
+        self.switches = 0
+        self.last_error: float | None = None
+        self.last_relative: float | None = None
+        self.previous = PreviousVersionWeights()
+        self.timer = IntervalTimer()
+        self._pending: torch.Tensor | None = None
+        self._checked_versions: frozenset[int] = frozenset()
+        self._batches_per_epoch = 1
+
+    # ---- the schedule ------------------------------------------------------------------------------------------
+    def batch_number(self, planned: PlannedBatch) -> int:
+        """The generation batch's number counted from the first batch of the first epoch."""
+        return planned.epoch * self._batches_per_epoch + planned.index_in_epoch
+
+    def is_checked(self, planned: PlannedBatch) -> bool:
+        number = self.batch_number(planned)
+        return number >= 1 and (number - 1) % self.interval == 0
+
+    def start_run(self, plan, steps_in_epoch: int, checkpoint: str | None, process_index: int, device) -> None:
+        """Read the run's plan (which versions train checked batches), and a resumed run's state from its
+        checkpoint."""
+        self._batches_per_epoch = max(1, math.ceil(steps_in_epoch / plan.micro_steps_per_batch))
+        self._checked_versions = frozenset(
+            version
+            for batch in plan.batches
+            if self.is_checked(batch)
+            for version in range(batch.first_version, batch.last_version + 1)
+        )
+        if checkpoint is not None:
+            self.load(checkpoint, process_index)
+        if self._pending is not None:
+            self._pending = self._pending.to(device)
+
+    def keep_if_due(self, model: torch.nn.Module, version: int) -> None:
+        """Before the optimizer step that ends version ``version``: keep its trainable weights if the next version
+        trains a checked batch (its micro-steps need them), else free what was kept."""
+        if version + 1 in self._checked_versions:
+            self.previous.keep(model, version)
+        else:
+            self.previous.forget()
+
+    # ---- a batch ----------------------------------------------------------------------------------------------
+    def begin_batch(self, planned: PlannedBatch, accelerator) -> tuple[bool, bool, dict[str, float]]:
+        """When the trainer takes a batch: settle the check in progress, if any (on every process together), and
+        return ``(recompute, checked, metrics)``: the anchor the batch trains with, whether it is checked, and the
+        settled check's metrics."""
+        metrics = self._settle(accelerator) if self._pending is not None else {}
+        return self.recompute, self.is_checked(planned), metrics
+
+    def reference(self, trainer, model, inputs: dict) -> torch.Tensor | None:
+        """The exact target's log-probs of a micro-batch of a checked batch (``None`` for other micro-batches, and
+        for a first micro-step whose version before it was not kept, e.g. version 0)."""
+        if not bool(inputs.get("prox_check", False)) or self.previous.version != trainer.state.global_step - 1:
+            return None
+        with self.timer.time(trainer.accelerator.device):
+            return self.previous.logps(trainer, model, inputs, trainer._unwrapped_model())
+
+    def add(self, loglinear, current, exact, staleness, mask) -> None:
+        """Add one checked micro-batch's sums to the check in progress (on the device: nothing waits)."""
+        sums = interpolation_check_sums(loglinear, current, exact, staleness, mask)
+        self._pending = sums if self._pending is None else self._pending + sums
+
+    def _settle(self, accelerator) -> dict[str, float]:
+        sums, self._pending = self._pending, None
+        if accelerator.num_processes > 1:
+            sums = accelerator.reduce(sums, reduction="sum")
+        error, relative, exceeds = interpolation_check_verdict(sums.tolist(), self.budget)
+        if exceeds is None:
+            return {}
+        self.checks += 1
+        if exceeds != self.recompute:
+            self.switches += 1
+            logger.info(
+                "prox_logp_method='guarded': the interpolation's check measured %.3g nats per token, %.2f of one "
+                "optimizer step's drift (budget %.2f): training with the %s anchor from the next batch on.",
+                error,
+                relative,
+                self.budget,
+                "recomputed" if exceeds else "interpolated",
+            )
+        self.recompute, self.last_error, self.last_relative = exceeds, error, relative
+        return {"a3po/prox_check_error": error, "a3po/prox_check_error_relative": relative}
+
+    # ---- checkpoints ------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "recompute": self.recompute,
+            "checks": self.checks,
+            "switches": self.switches,
+            "last_error": self.last_error,
+            "last_relative": self.last_relative,
+            "pending": None if self._pending is None else self._pending.tolist(),
+            "kept_version": self.previous.version,
+        }
+
+    def save(self, directory: str, process_index: int) -> None:
+        """Write this process's state (and the kept weights, when a checked micro-step follows) into ``directory``."""
+        os.makedirs(directory, exist_ok=True)
+        if self.previous.version is not None:
+            torch.save(self.previous.state(), os.path.join(directory, WEIGHTS_FILE.format(rank=process_index)))
+        with open(os.path.join(directory, STATE_FILE.format(rank=process_index)), "w") as file:
+            json.dump(self.state_dict(), file)
+
+    def load(self, directory: str, process_index: int) -> None:
+        path = os.path.join(directory, STATE_FILE.format(rank=process_index))
+        if not os.path.exists(path):
+            logger.warning(
+                "Resuming from %s, which holds no state of prox_logp_method='guarded' (written by another method or "
+                "another number of processes): the guard starts again from the interpolation.",
+                directory,
+            )
+            return
+        with open(path) as file:
+            state = json.load(file)
+        self.recompute, self.checks, self.switches = state["recompute"], state["checks"], state["switches"]
+        self.last_error, self.last_relative = state["last_error"], state["last_relative"]
+        self._pending = None if state["pending"] is None else torch.tensor(state["pending"], dtype=torch.float64)
+        if state["kept_version"] is not None:
+            weights = os.path.join(directory, WEIGHTS_FILE.format(rank=process_index))
+            kept = torch.load(weights, map_location="cpu", weights_only=True)
+            self.previous.load_state(kept)
+
+
+class KeepCheckedVersionCallback(TrainerCallback):
+    """Before each optimizer step, lets the guard keep the weights the next step's checked micro-steps need."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer.proximal_guard.keep_if_due(self.trainer._unwrapped_model(), state.global_step)
