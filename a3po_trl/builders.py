@@ -345,6 +345,7 @@ def build_batch_producer(trainer, plan: RunPlan) -> tuple[BatchProducer, dict]:
             reward_weights=trainer.reward_weights.detach().float().cpu(),
             pad_token_id=trainer._tokenizer.pad_token_id,
             group_filter=resolve_group_filter(args.dynamic_sampling_filter),
+            aggregation=trainer.multi_objective_aggregation,
         ).fill
     else:
         settings = rollout_settings(trainer, batch_number)
