@@ -59,7 +59,7 @@ from .rollout import RolloutSettings, decode_completions, run_rollout
 from .rollout.dynamic_sampling import DynamicSampler, resolve_group_filter
 from .rollout.multi_turn import AgentSettings
 from .rollout.prompt_batches import repeated_prompt_batches
-from .rollout.prompt_draws import load_prompt_draws
+from .rollout.prompt_draws import prompt_draws_before
 from .rollout.seeds import sampling_seeds
 
 logger = logging.getLogger(__name__)
@@ -321,9 +321,8 @@ def build_batch_producer(trainer, plan: RunPlan) -> tuple[BatchProducer, dict]:
     local_batch_size = args.per_device_train_batch_size * args.steps_per_generation
     process, processes = trainer.accelerator.process_index, trainer.accelerator.num_processes
     first_draw = batch_number(0) if planned else 0
-    drawn = load_prompt_draws(trainer._resume_checkpoint, process, processes)
-    if drawn is not None and planned:  # the checkpoint's run drew a varying number of prompt batches per batch
-        first_draw = drawn.get(batch_number(0), first_draw)
+    if planned:  # a checkpoint of a run with dynamic sampling says where its varying number of draws left off
+        first_draw = prompt_draws_before(trainer._resume_checkpoint, process, processes, batch_number(0), first_draw)
     prompt_batches = repeated_prompt_batches(
         trainer.train_dataset,
         num_generations=trainer.num_generations,
@@ -345,6 +344,7 @@ def build_batch_producer(trainer, plan: RunPlan) -> tuple[BatchProducer, dict]:
             reward_weights=trainer.reward_weights.detach().float().cpu(),
             pad_token_id=trainer._tokenizer.pad_token_id,
             group_filter=resolve_group_filter(args.dynamic_sampling_filter),
+            aggregation=trainer.multi_objective_aggregation,
         ).fill
     else:
         settings = rollout_settings(trainer, batch_number)
@@ -382,13 +382,22 @@ def batch_numbers(trainer, plan: RunPlan):
 
 def prompt_draws_to_keep(trainer) -> dict[int, int]:
     """``{global batch number: prompt batches this process drew before it}`` for the batches a run resumed from a
-    checkpoint taken now may restart at (the one being trained and those after it), for the checkpoint."""
+    checkpoint taken now may restart at (the one being trained and those drawn after it, up to the batch after the
+    run's last: where a run resumed from its last checkpoint with a larger ``max_steps`` restarts), for the
+    checkpoint."""
     producer, plan = trainer._producer, trainer._plan
-    if producer is None or plan is None:
+    if producer is None or plan is None or not plan.batches:
         return {}
     number = batch_numbers(trainer, plan)
+    last = len(plan.batches) - 1
     oldest = max(producer.consumed - 1, 0)
-    return {number(i): draws for i, draws in producer.draw_starts().items() if oldest <= i < len(plan.batches)}
+    kept = {}
+    for index, draws in producer.draw_starts().items():
+        if oldest <= index <= last:
+            kept[number(index)] = draws
+        elif index == last + 1:  # the run's last batch is drawn: the next batch, in its epoch or the next epoch's
+            kept[number(last) + 1] = draws  # first (an epoch holds whole generation batches)
+    return kept
 
 
 # ---- the rollout ---------------------------------------------------------------------------------------------------

@@ -201,21 +201,24 @@ class AsyncA3POConfig(GRPOConfig):
         > Parameters that control dynamic sampling (DAPO's; verl's `filter_groups`)
 
         dynamic_sampling (`bool`, *optional*, defaults to `False`):
-            Train only on groups that carry a reward signal: the generation thread drops the groups the filter
-            rejects (by default those whose completions all get the same weighted reward sum, so zero advantage on
-            every token) and draws further generation batches (new prompts, with the newest published weights;
-            exactly the batch's version with `reproducible_generation=True`) until each process's batch is full of
-            groups that pass, at most `dynamic_sampling_max_gen_batches` per training batch; the surplus of the last
-            draw is discarded. At that bound the batch is completed with the flat groups drawn last, with a warning
-            and the `a3po/dynamic_sampling_bound_reached` metric. `scale_rewards="batch"` and the loss normalisation
-            are computed over the groups kept. The prompt stream's epochs count the prompts drawn, not those trained
+            Train only on groups that carry a reward signal: the generation thread drops the groups the filter rejects
+            (by default those whose advantages are all 0: the rewards they are computed from, the weighted sum, or the
+            weighted sum of the per-function normalised rewards under
+            `multi_objective_aggregation="normalize_then_sum"`, do not vary within the group) and draws further
+            generation batches (new prompts, with the newest published weights; exactly the batch's version with
+            `reproducible_generation=True`) until each process's batch is full of groups that pass, at most
+            `dynamic_sampling_max_gen_batches` per training batch; the surplus of the last draw is discarded. At that
+            bound the batch is completed with the flat groups drawn last, with a warning and the
+            `a3po/dynamic_sampling_bound_reached` metric. `scale_rewards="batch"` and the loss normalisation are
+            computed over the groups kept. The prompt stream's epochs count the prompts drawn, not those trained
             (`num_train_epochs` still sets the optimizer steps).
         dynamic_sampling_filter (`str`, callable or `None`, *optional*, defaults to `None`):
-            Which groups dynamic sampling keeps: `None` keeps those whose weighted reward sum has a non-zero standard
-            deviation; otherwise a function `keep(rewards) -> bool` of a group's `(num_generations,
-            num_reward_funcs)` raw rewards (NaN where a reward function returned None), or its dotted import path
-            (`my_module.keep_group`, e.g. on the command line). A function must be defined at module level (the
-            config is saved with every checkpoint).
+            Which groups dynamic sampling keeps: `None` keeps those whose advantages are not all 0 (the weighted reward
+            sum, or with `multi_objective_aggregation="normalize_then_sum"` the weighted sum of the per-function
+            normalised rewards, has a non-zero standard deviation in the group); otherwise a function `keep(rewards) ->
+            bool` of a group's `(num_generations, num_reward_funcs)` raw rewards (NaN where a reward function returned
+            None), or its dotted import path (`my_module.keep_group`, e.g. on the command line). A function must be
+            defined at module level (the config is saved with every checkpoint).
         dynamic_sampling_max_gen_batches (`int`, *optional*, defaults to `10`):
             Most generation batches a process draws for one training batch with dynamic sampling (verl's
             `max_num_gen_batches`); at least 1.
@@ -362,15 +365,15 @@ class AsyncA3POConfig(GRPOConfig):
     dynamic_sampling: bool = field(
         default=False,
         metadata={
-            "help": "Train only on groups with a reward signal: drop groups the filter rejects (by default, zero "
-            "reward std) and draw more generation batches until the batch is full, at most "
+            "help": "Train only on groups with a reward signal: drop groups the filter rejects (by default, those "
+            "whose advantages are all 0) and draw more generation batches until the batch is full, at most "
             "dynamic_sampling_max_gen_batches per training batch."
         },
     )
     dynamic_sampling_filter: str | None = field(
         default=None,
         metadata={
-            "help": "Which groups dynamic sampling keeps: None (non-zero std of the weighted reward sum), or a "
+            "help": "Which groups dynamic sampling keeps: None (those whose advantages are not all 0), or a "
             "function keep(rewards) -> bool of a group's (num_generations, num_reward_funcs) rewards, or its dotted "
             "import path."
         },

@@ -349,6 +349,35 @@ def proximal_approximation_error(
     }
 
 
+def aggregated_rewards(
+    rewards_per_func: torch.Tensor,
+    reward_weights: torch.Tensor,
+    num_generations: int,
+    aggregation: str = "sum_then_normalize",
+) -> torch.Tensor:
+    """``(B,)`` one reward per row, the one :func:`group_advantages` centres and scales: the weighted sum of the reward
+    functions (``"sum_then_normalize"``), or the weighted sum of each function's rewards normalised within its group
+    (``"normalize_then_sum"``). NaN where every function returned None."""
+    if rewards_per_func.size(0) % num_generations:
+        raise ValueError(f"{rewards_per_func.size(0)} rows do not form whole groups of {num_generations}.")
+    weights = reward_weights.to(rewards_per_func.device, rewards_per_func.dtype).unsqueeze(0)
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    if aggregation == "sum_then_normalize":
+        rewards = (rewards_per_func * weights).nansum(dim=1)
+    elif aggregation == "normalize_then_sum":
+        grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.size(1))
+        mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+        std_k = nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean_k)
+        normalized = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, rewards_per_func.size(1))
+        rewards = (normalized * weights).nansum(dim=1)
+    else:
+        raise ValueError(
+            f"multi_objective_aggregation={aggregation!r} must be 'sum_then_normalize' or 'normalize_then_sum'."
+        )
+    rewards[unscorable] = torch.nan
+    return rewards
+
+
 def group_advantages(
     rewards_per_func: torch.Tensor,
     reward_weights: torch.Tensor,
@@ -367,15 +396,11 @@ def group_advantages(
         aggregation: ``"sum_then_normalize"`` or ``"normalize_then_sum"`` (TRL's ``multi_objective_aggregation``).
 
     Returns:
-        ``(advantages, rewards, is_std_zero)``, each ``(B,)``; a row every function left unscored gets advantage 0.
+        ``(advantages, rewards, is_std_zero)``, each ``(B,)``; ``rewards`` are :func:`aggregated_rewards`'; a row every
+        function left unscored gets advantage 0.
     """
-    if rewards_per_func.size(0) % num_generations:
-        raise ValueError(f"{rewards_per_func.size(0)} rows do not form whole groups of {num_generations}.")
-    weights = reward_weights.to(rewards_per_func.device, rewards_per_func.dtype).unsqueeze(0)
-    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    rewards = aggregated_rewards(rewards_per_func, reward_weights, num_generations, aggregation)
     if aggregation == "sum_then_normalize":
-        rewards = (rewards_per_func * weights).nansum(dim=1)
-        rewards[unscorable] = torch.nan
         grouped = rewards.view(-1, num_generations)
         mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
         if scale_rewards in ("group", "none"):
@@ -390,21 +415,27 @@ def group_advantages(
         advantages = rewards - mean
         if scale_rewards != "none":
             advantages = advantages / (std + 1e-4)
-    elif aggregation == "normalize_then_sum":
-        grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.size(1))
-        mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
-        std_k = nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean_k)
-        normalized = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, rewards_per_func.size(1))
-        rewards = (normalized * weights).nansum(dim=1)
-        rewards[unscorable] = torch.nan
+    else:  # normalize_then_sum: the per-function normalised sums, normalised again over the batch
         std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
         advantages = (rewards - torch.nanmean(rewards)) / (std + 1e-4)
-    else:
-        raise ValueError(
-            f"multi_objective_aggregation={aggregation!r} must be 'sum_then_normalize' or 'normalize_then_sum'."
-        )
     is_std_zero = torch.isclose(std, torch.zeros_like(std))
     return torch.nan_to_num(advantages, nan=0.0), rewards, is_std_zero
+
+
+def groups_without_signal(
+    rewards_per_func: torch.Tensor,
+    reward_weights: torch.Tensor,
+    num_generations: int,
+    aggregation: str = "sum_then_normalize",
+) -> torch.Tensor:
+    """``(G,)`` whether each group of ``num_generations`` consecutive rows gets advantage 0 on every row from
+    :func:`group_advantages`, whatever ``scale_rewards`` and whatever other groups share its batch: whether its
+    :func:`aggregated_rewards` do not vary within it (standard deviation 0, tested as ``is_std_zero`` tests it, or
+    fewer than two scored rows). Such a group's rows all equal its mean (under ``"normalize_then_sum"`` that mean is
+    0, as is the batch's: each function's normalised rewards sum to 0 over every group), so centring leaves 0."""
+    rewards = aggregated_rewards(rewards_per_func, reward_weights, num_generations, aggregation)
+    std = nanstd(rewards.view(-1, num_generations), dim=1)
+    return torch.isnan(std) | torch.isclose(std, torch.zeros_like(std))
 
 
 def interpolation_check_sums(

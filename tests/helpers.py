@@ -46,11 +46,18 @@ COMMON = dict(
 
 
 def make_trainer(
-    tokenizer, tmp_path, reward_funcs=(length_reward,), model=None, dataset=None, eval_dataset=None, **overrides
+    tokenizer,
+    tmp_path,
+    reward_funcs=(length_reward,),
+    model=None,
+    dataset=None,
+    eval_dataset=None,
+    trainer_class=AsyncA3POTrainer,
+    **overrides,
 ):
     kwargs = {**COMMON, "max_steps": 4, **overrides}
     args = AsyncA3POConfig(output_dir=str(tmp_path / "out"), **kwargs)
-    return AsyncA3POTrainer(
+    return trainer_class(
         model=model if model is not None else make_model(tokenizer),
         reward_funcs=list(reward_funcs),
         args=args,
@@ -58,6 +65,23 @@ def make_trainer(
         eval_dataset=eval_dataset,
         processing_class=tokenizer,
     )
+
+
+class RecordingTrainer(AsyncA3POTrainer):
+    """Records the prompts of every micro-batch it trains: ``trained[i]`` is the sorted list of the prompts (their
+    token ids) of the ``i``-th micro-batch, one entry per row (``make_trainer(..., trainer_class=RecordingTrainer)``).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.trained = []
+
+    def _prepare_inputs(self, generation_batch):
+        inputs = super()._prepare_inputs(generation_batch)  # the micro-batch training_step trains next
+        if self.model.training:
+            rows = zip(inputs["prompt_ids"].tolist(), inputs["prompt_mask"].tolist())
+            self.trained.append(sorted(tuple(i for i, m in zip(ids, mask) if m) for ids, mask in rows))
+        return inputs
 
 
 def logged(trainer, key):

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from trl.trainer.utils import nanstd
 
+from ..functional import groups_without_signal
 from ..types import ScoredBatch, ToolStats
 from .trajectories import NO_VERSION
 
@@ -67,33 +67,24 @@ def resolve_group_filter(setting) -> GroupFilter | None:
     return function
 
 
-def group_rewards(rewards_per_func: torch.Tensor, reward_weights: torch.Tensor) -> torch.Tensor:
-    """``(B,)`` weighted sum of the reward functions, as the advantages use it (NaN where no function scored)."""
-    weights = reward_weights.to(rewards_per_func.device, rewards_per_func.dtype).unsqueeze(0)
-    rewards = (rewards_per_func * weights).nansum(dim=1)
-    rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
-    return rewards
-
-
 def keep_groups(
     rewards_per_func: torch.Tensor,
     num_generations: int,
     reward_weights: torch.Tensor,
     group_filter: GroupFilter | None = None,
+    aggregation: str = "sum_then_normalize",
 ) -> list[bool]:
     """Per group of ``num_generations`` consecutive rows, whether it is trained: ``group_filter(group's rewards)``,
-    or by default whether the weighted reward sum varies within the group (a group with zero standard deviation, or
-    no scored row, has zero advantage everywhere)."""
+    or by default whether it carries a signal: not every advantage of it is 0 as the trainer computes them
+    (:func:`~a3po_trl.functional.groups_without_signal`, for ``aggregation``, TRL's ``multi_objective_aggregation``:
+    the weighted reward sum, or the weighted sum of the per-function normalised rewards, varies within the group)."""
     if rewards_per_func.size(0) % num_generations:
         raise ValueError(f"{rewards_per_func.size(0)} rows do not form whole groups of {num_generations}.")
     groups = rewards_per_func.size(0) // num_generations
     if group_filter is not None:
         per_group = rewards_per_func.view(groups, num_generations, -1)
         return [bool(group_filter(per_group[g].clone())) for g in range(groups)]
-    if num_generations == 1:
-        return [False] * groups
-    std = nanstd(group_rewards(rewards_per_func, reward_weights).view(groups, num_generations), dim=1)
-    flat = torch.isnan(std) | torch.isclose(std, torch.zeros_like(std))
+    flat = groups_without_signal(rewards_per_func, reward_weights, num_generations, aggregation)
     return [not value for value in flat.tolist()]
 
 
@@ -267,10 +258,15 @@ class DynamicSampler:
     reward_weights: torch.Tensor
     pad_token_id: int
     group_filter: GroupFilter | None = None
+    aggregation: str = "sum_then_normalize"
+    """TRL's ``multi_objective_aggregation``: how the default filter combines the reward functions, as the
+    advantages do."""
     bound_warnings: int = 0
 
     def keep(self, batch: ScoredBatch) -> list[bool]:
-        return keep_groups(batch.rewards_per_func, self.num_generations, self.reward_weights, self.group_filter)
+        return keep_groups(
+            batch.rewards_per_func, self.num_generations, self.reward_weights, self.group_filter, self.aggregation
+        )
 
     def fill(self, first: ScoredBatch, draw_more: Callable[[], ScoredBatch]) -> ScoredBatch:
         accumulator = GroupAccumulator(self.groups_needed, self.max_draws)

@@ -1,7 +1,9 @@
 """Dynamic sampling with the trainer (tiny model, CPU): the batches trained carry a reward signal only, the bound ends
 an all-flat run with its warning, reproducible runs stay identical, and a resume draws on exactly where the
-interrupted run stood."""
+interrupted run stood: from a run's last checkpoint with a larger ``max_steps``, and inside a generation batch trained
+over several optimizer steps, where it trains what the uninterrupted run trains."""
 
+import json
 import logging
 import random
 import threading
@@ -9,7 +11,7 @@ import time
 
 import pytest
 import torch
-from helpers import StopAt, logged, logged_after, make_trainer, model_weights
+from helpers import RecordingTrainer, StopAt, logged, logged_after, make_trainer, model_weights
 from tiny import length_reward, make_model
 
 #: Two groups of 4 per batch; a prompt whose answer is 3 mod 4 (every other one) gets a flat reward.
@@ -117,3 +119,92 @@ def test_reproducible_runs_are_identical_and_a_resume_draws_on_where_the_run_sto
         assert logged_after(resumed, key, 2) == logged_after(first, key, 2), key
     a, b = model_weights(first), model_weights(resumed)
     assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def prompt_flat_reward(draws):
+    """A constant for the prompts whose answer is 3 mod 4, each completion's place in its group for the others: which
+    groups the filter drops, and so which prompt batches a run draws, follows from the prompts alone. ``draws``
+    records each call's answers (one call per generation batch drawn)."""
+
+    def prompt_flat(completions, answer, **kwargs):
+        draws.append(list(answer[::4]))
+        return [1.0 if int(a) % 4 == 3 else float(row % 4) for row, a in enumerate(answer)]
+
+    return prompt_flat
+
+
+def test_a_run_resumed_from_its_last_checkpoint_with_more_steps_draws_on_where_it_ended(tokenizer, tmp_path):
+    def run(path, draws, max_steps, resume=None):
+        trainer = make_trainer(
+            tokenizer,
+            path,
+            reward_funcs=(prompt_flat_reward(draws),),
+            **{**SETTINGS, "max_steps": max_steps, "save_strategy": "steps", "save_steps": 2},
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    uninterrupted_draws, first_draws, resumed_draws = [], [], []
+    uninterrupted = run(tmp_path / "a", uninterrupted_draws, max_steps=4)
+    run(tmp_path / "b", first_draws, max_steps=2)  # ends with its checkpoint
+    checkpoint = tmp_path / "b" / "out" / "checkpoint-2"
+    run(tmp_path / "b", resumed_draws, max_steps=4, resume=str(checkpoint))  # as the trainer's warning advises
+    before = uninterrupted.last_batch_producer.draw_starts()[2]
+    assert len(uninterrupted_draws) > 4  # flat groups were drawn: the batches drew more than one prompt batch each
+    assert first_draws == uninterrupted_draws[:before]
+    assert resumed_draws == uninterrupted_draws[before:]  # none drawn twice, none skipped
+
+    # a record that does not say where the batch the run restarts at drew is refused, not guessed at (batch 2
+    # renamed 9: the file keeps the size the checkpoint's manifest lists)
+    record_path = checkpoint / "a3po_prompt_draws_rank0.json"
+    record = json.loads(record_path.read_text())
+    record["draws_before"]["9"] = record["draws_before"].pop("2")
+    record_path.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="not before batch 2, where this run restarts"):
+        run(tmp_path / "b", [], max_steps=4, resume=str(checkpoint))
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [dict(reproducible_generation=True), dict(), dict(async_generation=False)],
+    ids=["reproducible_generation", "async", "synchronous"],
+)
+def test_a_resume_inside_a_generation_batch_trains_what_the_uninterrupted_run_trains(tokenizer, tmp_path, mode):
+    # Generation batches of 4 groups trained over 2 optimizer steps (steps_per_generation=2, 2 groups per micro-batch):
+    # the checkpoint at step 3 falls inside batch 1, whose draws the resumed run repeats from where they began,
+    # keeping the same groups, and of which it trains the second micro-batch, in the checkpoint's row order.
+    settings = dict(
+        SETTINGS, steps_per_generation=2, max_staleness=2, max_steps=6, save_strategy="steps", save_steps=3, **mode
+    )
+
+    def trainer(path, draws, seed=0):
+        return make_trainer(
+            tokenizer,
+            path,
+            reward_funcs=(prompt_flat_reward(draws),),
+            model=make_model(tokenizer, seed=seed),
+            trainer_class=RecordingTrainer,
+            **settings,
+        )
+
+    uninterrupted_draws, interrupted_draws, resumed_draws = [], [], []
+    uninterrupted = trainer(tmp_path / "a", uninterrupted_draws)
+    uninterrupted.train()
+    interrupted = trainer(tmp_path / "b", interrupted_draws)
+    interrupted.add_callback(StopAt(3))
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.train()
+    resumed = trainer(tmp_path / "b", resumed_draws, seed=123)
+    resumed.train(resume_from_checkpoint=True)
+    assert len(interrupted.trained) == 3 and len(resumed.trained) == 3
+    # every micro-batch trains the prompts it trains in the uninterrupted run: none lost, none trained twice
+    assert interrupted.trained + resumed.trained == uninterrupted.trained
+    # batch 1 is drawn again from the prompt batch its first draw took, and the run draws on as the uninterrupted one
+    assert len(uninterrupted_draws) > 3  # the batches drew more than one prompt batch each
+    assert resumed_draws == uninterrupted_draws[uninterrupted.last_batch_producer.draw_starts()[1] :]
+    # with reproducible_generation the regenerated batch 1 holds the same samples too (the checkpoint keeps the
+    # version that generated it), so the rest of the run is the same bit for bit
+    if mode.get("reproducible_generation"):
+        assert logged_after(resumed, "loss", 3) == logged_after(uninterrupted, "loss", 3)
+        a, b = model_weights(uninterrupted), model_weights(resumed)
+        assert all(torch.equal(a[n], b[n]) for n in a)

@@ -8,10 +8,8 @@ import os
 
 import pytest
 import torch
-from helpers import StopAt, logged_after, make_trainer, model_weights
+from helpers import RecordingTrainer, StopAt, logged_after, make_trainer, model_weights
 from tiny import make_model, make_prompts
-
-from a3po_trl import AsyncA3POTrainer
 
 
 def _checkpoints(tmp_path):
@@ -69,32 +67,10 @@ def test_a_resume_one_step_before_the_end_trains_exactly_that_step(tokenizer, tm
     assert _checkpoints(tmp_path) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
 
 
-class _RecordingTrainer(AsyncA3POTrainer):
-    """Records the prompts of every micro-batch it trains: ``trained[i]`` is the sorted list of the prompts (their
-    token ids) of the ``i``-th micro-batch, one entry per row."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.trained = []
-
-    def _prepare_inputs(self, generation_batch):
-        inputs = super()._prepare_inputs(generation_batch)  # the micro-batch training_step trains next
-        if self.model.training:
-            rows = zip(inputs["prompt_ids"].tolist(), inputs["prompt_mask"].tolist())
-            self.trained.append(sorted(tuple(i for i, m in zip(ids, mask) if m) for ids, mask in rows))
-        return inputs
-
-
 def _recording_trainer(tokenizer, tmp_path, seed=0, **settings):
-    trainer = make_trainer(tokenizer, tmp_path, model=make_model(tokenizer, seed=seed), **settings)
-    recording = _RecordingTrainer(
-        model=trainer.model,
-        reward_funcs=trainer.reward_funcs,
-        args=trainer.args,
-        train_dataset=trainer.train_dataset,
-        processing_class=tokenizer,
+    return make_trainer(
+        tokenizer, tmp_path, model=make_model(tokenizer, seed=seed), trainer_class=RecordingTrainer, **settings
     )
-    return recording
 
 
 @pytest.mark.parametrize(

@@ -4,12 +4,16 @@ backend (each refill a new prompt batch, with the newest published weights). No 
 
 import json
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from a3po_trl import AsyncA3POConfig
+from a3po_trl.functional import group_advantages
 from a3po_trl.generation import BatchProducer, GenerationBackend, ScoredBatch
 from a3po_trl.generation.weights import ParameterGather, StagingLayout, VersionedWeights
 from a3po_trl.rollout.dynamic_sampling import (
@@ -42,6 +46,52 @@ def test_default_filter_drops_groups_whose_weighted_reward_sum_does_not_vary():
     assert keep_groups(both_unscored, 2, torch.ones(1)) == [False]
     with pytest.raises(ValueError, match="whole groups"):
         keep_groups(torch.zeros(3, 1), 2, torch.ones(1))
+
+
+def test_under_normalize_then_sum_the_default_filter_keeps_a_group_whose_weighted_raw_sum_is_flat():
+    # raw weighted sums 0 + 2 and 2 + 0 agree, but each function is normalised within the group before the sum:
+    # the trainer's advantages for this group are not 0, so it carries a signal
+    rewards = torch.tensor([[0.0, 1.0], [2.0, 0.0]])
+    weights = torch.tensor([1.0, 2.0])
+    advantages, _, _ = group_advantages(rewards, weights, 2, aggregation="normalize_then_sum")
+    assert advantages.abs().min() > 0.5
+    assert keep_groups(rewards, 2, weights, aggregation="normalize_then_sum") == [True]
+    assert keep_groups(rewards, 2, weights, aggregation="sum_then_normalize") == [False]  # sums 2, 2: flat there
+    sampler = DynamicSampler(1, 2, 1, weights, pad_token_id=0, aggregation="normalize_then_sum")
+    assert sampler.keep(SimpleNamespace(rewards_per_func=rewards)) == [True]
+
+
+#: Exactly representable rewards and weights (so a flat group is flat bit for bit), NaN for a function's None.
+_REWARDS = st.sampled_from([-2.0, -1.0, 0.0, 0.5, 1.0, 3.0, NAN])
+_WEIGHTS = st.sampled_from([-1.0, 0.0, 0.5, 1.0, 2.0])
+
+
+@st.composite
+def _reward_batches(draw):
+    groups, num_generations, functions = draw(st.integers(1, 4)), draw(st.integers(1, 4)), draw(st.integers(1, 3))
+    rows = groups * num_generations
+    rewards = draw(st.lists(_REWARDS, min_size=rows * functions, max_size=rows * functions))
+    weights = draw(st.lists(_WEIGHTS, min_size=functions, max_size=functions))
+    # float64: the rounding of a group's mean (which centring turns into advantages of ~1e-7 in float32, magnified
+    # by a small batch std under normalize_then_sum) stays far below the smallest real advantage of these rewards
+    rewards = torch.tensor(rewards, dtype=torch.float64).view(rows, functions)
+    return rewards, torch.tensor(weights, dtype=torch.float64), num_generations
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    _reward_batches(),
+    st.sampled_from(["group", "batch", "none"]),
+    st.sampled_from(["sum_then_normalize", "normalize_then_sum"]),
+)
+def test_the_default_filter_drops_exactly_the_groups_whose_advantages_are_all_zero(batch, scale_rewards, aggregation):
+    rewards, weights, num_generations = batch
+    keep = keep_groups(rewards, num_generations, weights, aggregation=aggregation)
+    advantages, _, _ = group_advantages(rewards, weights, num_generations, scale_rewards, aggregation)
+    for group, kept in enumerate(keep):
+        group_advantages_ = advantages[group * num_generations : (group + 1) * num_generations]
+        all_zero = torch.allclose(group_advantages_, torch.zeros_like(group_advantages_), atol=1e-9)
+        assert kept != all_zero, (group, group_advantages_)
 
 
 def test_a_user_filter_sees_each_groups_rewards_per_function():
