@@ -32,8 +32,7 @@ from .generation.schedule import (
     PlannedBatch,
     TrainingLoopShape,
     oldest_allowed_version,
-    plan_generation_batches,
-    run_micro_steps,
+    plan_run_batches,
 )
 from .generation.vllm.make_backend import engine_dtype
 from .generation.vllm.sampling import VLLMSamplingSettings
@@ -306,8 +305,8 @@ def plan_run(trainer) -> RunPlan:
         skip_trained_data=not args.ignore_data_skip,
     )
     every = args.steps_per_generation * trainer.num_iterations
-    micro_steps = run_micro_steps(shape)
-    return RunPlan(micro_steps, plan_generation_batches(micro_steps, every), every)
+    micro_steps, batches = plan_run_batches(shape, every)
+    return RunPlan(micro_steps, batches, every)
 
 
 def build_batch_producer(trainer, plan: RunPlan) -> tuple[BatchProducer, dict]:
