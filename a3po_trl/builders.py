@@ -369,7 +369,8 @@ def build_batch_producer(trainer, plan: RunPlan) -> tuple[BatchProducer, dict]:
         timeline=trainer.timeline,
         refill=refill,
         first_draw=first_draw,
-        # every version a micro-step trains with: a checkpoint keeps those a longer continuation needs (see trainer.py)
+        # every version a micro-step trains with: a checkpoint keeps those a longer continuation needs
+        # (version_checkpoint.py)
         publish_through=plan.micro_steps[-1].version if plan.micro_steps else None,
     )
     return producer, earlier
