@@ -32,8 +32,7 @@ from .generation.schedule import (
     PlannedBatch,
     TrainingLoopShape,
     oldest_allowed_version,
-    plan_generation_batches,
-    run_micro_steps,
+    plan_run_batches,
 )
 from .generation.vllm.make_backend import engine_dtype
 from .generation.vllm.sampling import VLLMSamplingSettings
@@ -306,8 +305,8 @@ def plan_run(trainer) -> RunPlan:
         skip_trained_data=not args.ignore_data_skip,
     )
     every = args.steps_per_generation * trainer.num_iterations
-    micro_steps = run_micro_steps(shape)
-    return RunPlan(micro_steps, plan_generation_batches(micro_steps, every), every)
+    micro_steps, batches = plan_run_batches(shape, every)
+    return RunPlan(micro_steps, batches, every)
 
 
 def build_batch_producer(trainer, plan: RunPlan) -> tuple[BatchProducer, dict]:
@@ -351,11 +350,16 @@ def build_batch_producer(trainer, plan: RunPlan) -> tuple[BatchProducer, dict]:
     # A resumed reproducible run regenerates its next batches with the versions the checkpoint kept for them.
     earlier = load_kept_versions(trainer._resume_checkpoint) if args.reproducible_generation else {}
     first_version = min([*earlier, trainer.state.global_step])
+
+    def min_version(index: int) -> int:
+        return oldest_allowed_version(planned[index], args.max_staleness, first_version)
+
+    check_kept_versions(trainer, earlier, [min_version(i) for i in range(len(planned))])
     producer = BatchProducer(
         backend=trainer._backend,
         prompt_batches=prompt_batches,
         rollout=lambda *args: run_rollout(settings, *args),
-        min_version=lambda index: oldest_allowed_version(planned[index], args.max_staleness, first_version),
+        min_version=min_version,
         num_batches=len(planned),
         queue_size=args.max_staleness + 1,
         asynchronous=args.async_generation,
@@ -365,8 +369,28 @@ def build_batch_producer(trainer, plan: RunPlan) -> tuple[BatchProducer, dict]:
         timeline=trainer.timeline,
         refill=refill,
         first_draw=first_draw,
+        # every version a micro-step trains with: a checkpoint keeps those a longer continuation needs
+        # (version_checkpoint.py)
+        publish_through=plan.micro_steps[-1].version if plan.micro_steps else None,
     )
     return producer, earlier
+
+
+def check_kept_versions(trainer, earlier: dict, assigned: list[int]) -> None:
+    """Refuse a resumed ``reproducible_generation`` run that would generate a batch with a version older than the
+    checkpoint's step that the checkpoint did not keep, before the generation thread fails on it: a checkpoint
+    written by an older a3po-trl (which kept only the versions its own run's ``max_steps`` needed), or resumed with a
+    larger ``max_staleness`` than it was written with."""
+    missing = sorted({v for v in assigned if v < trainer.state.global_step} - set(earlier)) if earlier else []
+    if missing:
+        raise ValueError(
+            f"Resuming from {trainer._resume_checkpoint} with reproducible_generation=True: this run generates "
+            f"batches with weight versions {missing}, which the checkpoint does not keep (it keeps "
+            f"{sorted(earlier)}). It was written by an older a3po-trl, which kept only the versions its own run's "
+            "max_steps needed, or with a smaller max_staleness. Resume with the max_steps (or num_train_epochs) and "
+            "max_staleness it was written with, or with reproducible_generation=False (those batches are then "
+            "generated with the newest weights)."
+        )
 
 
 def batch_numbers(trainer, plan: RunPlan):

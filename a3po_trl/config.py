@@ -108,14 +108,15 @@ class AsyncA3POConfig(GRPOConfig):
             for bit-exact reproducibility.
         reproducible_generation (`bool`, *optional*, defaults to `False`):
             Generate every batch with exactly the weight version the staleness schedule assigns it (the oldest the
-            bound allows: staleness is then exactly `max_staleness` after the first batches), instead of the newest
-            one available when the generator starts it. Which weights generate a batch then no longer depends on
-            timing, and since sampling draws from a stream seeded by `seed`, the process and the batch, two runs with
-            the same seed give the same samples, losses and weights with the thread on (and across a checkpoint
-            resume). Cost: the generator keeps the published versions a later batch may still need, up to
-            `max_staleness + 1` copies of the trainable weights (the adapter under LoRA; the whole model under full
-            fine-tuning, e.g. 3 x 513 MiB for SmolLM2-135M in fp32 at `max_staleness=2`), and samples are staler
-            on average.
+            bound allows: staleness is then exactly `max_staleness` after the first batches, less in a last batch
+            that `max_steps` ends inside), instead of the newest one available when the generator starts it. Which
+            weights generate a batch then no longer depends on timing, and since sampling draws from a stream seeded
+            by `seed`, the process and the batch, two runs with the same seed give the same samples, losses and
+            weights with the thread on (and across a checkpoint resume, also one with a larger `max_steps`: see
+            docs/RELIABILITY.md). Cost: the generator keeps the published versions a later batch may still need, up
+            to `max_staleness + 1` copies of the trainable weights (the adapter under LoRA; the whole model under
+            full fine-tuning, e.g. 3 x 513 MiB for SmolLM2-135M in fp32 at `max_staleness=2`), a checkpoint the
+            `max_staleness` versions before its step, and samples are staler on average.
         in_flight_weight_updates (`bool`, *optional*, defaults to `False`):
             Load a version the trainer publishes while a batch is being generated at the next decode step, and
             continue the batch's completions with it (as PipelineRL and prime-rl do), instead of finishing the batch

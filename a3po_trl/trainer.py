@@ -261,7 +261,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             if self._batch_order is not None:  # every process: the order of its rows of the batch it is in
                 save_batch_order(directory, self.accelerator.process_index, self._batch_order)
             if self.args.reproducible_generation and self._backend is not None and self.args.should_save:
-                save_kept_versions(self._backend, directory, before=self.state.global_step)
+                save_kept_versions(self._backend, directory, self.state.global_step, self.args.max_staleness)
             if self.proximal_guard is not None:  # every process: the anchor in use, the check in progress
                 self.proximal_guard.save(directory, self.accelerator.process_index)
             if self.args.dynamic_sampling and self._producer is not None:  # every process: where its prompts stand

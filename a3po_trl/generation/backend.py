@@ -109,10 +109,10 @@ class GenerationBackend(ABC):
         """Drop the kept versions older than ``version`` (no batch still to be generated or trained needs them)."""
         self.weights.release_before(version)
 
-    def kept_weights(self, before: int) -> dict[int, tuple[dict[str, torch.Tensor], Any]]:
-        """Copies of the kept versions older than ``before`` with the trainer state published with them (for a
-        checkpoint)."""
-        return self.weights.kept(before)
+    def kept_weights(self, before: int, since: int = 0) -> dict[int, tuple[dict[str, torch.Tensor], Any]]:
+        """Copies of the kept versions from ``since`` to ``before - 1`` with the trainer state published with them
+        (for a checkpoint)."""
+        return self.weights.kept(before, since)
 
     def restore_weights(self, version: int, weights: dict[str, torch.Tensor], trainer_state: Any = None) -> None:
         """Publish ``weights`` (from :meth:`kept_weights` of a checkpoint) as ``version`` again, without a module."""

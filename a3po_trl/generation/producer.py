@@ -52,6 +52,10 @@ class BatchProducer:
         exact_versions: generate batch ``i`` with exactly version ``min_version(i)`` (the backend keeps the published
             versions a later batch may still need) instead of the newest one: which weights generate a batch then no
             longer depends on timing.
+        publish_through: with ``exact_versions``, the newest version :meth:`publish` stages; newer ones are skipped
+            (no batch loads them). The trainer passes the version of the run's last micro-step: a checkpoint keeps
+            the versions a run continued from it with a larger ``max_steps`` needs, also those no batch of this run
+            is assigned. None: the newest version any batch is assigned.
         poll_interval: seconds between health checks while waiting.
         timeline: where the producer records its spans (each batch, its waits and weight loads, and the trainer's
             wait for it); backends and rollouts record their parts inside the batch's span. ``None``: not recorded.
@@ -76,6 +80,7 @@ class BatchProducer:
         timeline: TimelineRecorder | None = None,
         refill: Callable[[ScoredBatch, Callable[[], ScoredBatch]], ScoredBatch] | None = None,
         first_draw: int = 0,
+        publish_through: int | None = None,
     ):
         self.backend = backend
         self.prompt_batches = prompt_batches
@@ -90,8 +95,10 @@ class BatchProducer:
         self.timeline = timeline if timeline is not None else TimelineRecorder(enabled=False)
         self.refill = refill
         backend.keep_versions = exact_versions
-        self._last_needed_version = max((min_version(i) for i in range(num_batches)), default=-1)
-        """With ``exact_versions``, no batch is generated with a newer version than this."""
+        if publish_through is None:
+            publish_through = max((min_version(i) for i in range(num_batches)), default=-1)
+        self.publish_through = publish_through
+        """With ``exact_versions``, the newest version published: no batch is generated with a newer one."""
         self.stop_event = threading.Event()
         self._version_cond = threading.Condition()
         self._trainer_version = -1
@@ -132,10 +139,10 @@ class BatchProducer:
 
         Called on every process together: under ZeRO-3 or FSDP2 the publication gathers the weights (a collective),
         so whether it is skipped must not depend on anything local to a process, such as how far its generation
-        thread has got. With ``exact_versions`` a version that no batch of the run is assigned is skipped: that
-        depends only on the batch schedule, which every process shares."""
+        thread has got. With ``exact_versions`` a version newer than ``publish_through`` is skipped: that depends
+        only on the batch schedule, which every process shares."""
         seconds = 0.0
-        if not (self.exact_versions and version > self._last_needed_version):  # nobody would load it
+        if not (self.exact_versions and version > self.publish_through):  # nobody would load or keep it
             seconds = self.backend.publish(module, version, trainer_state)
         with self._version_cond:
             self._trainer_version = version

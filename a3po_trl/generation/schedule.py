@@ -13,13 +13,18 @@ Generation batches are consumed every ``E = steps_per_generation * num_iteration
 epoch as GRPOTrainer's dataloader is (an epoch holds a whole number of batches), so a resumed run restarts inside the
 batch the uninterrupted run was in: that batch is generated again and its remaining micro-batches trained.
 
+The oldest version allowed to generate a batch follows from the version of its last micro-step. A run whose
+``max_steps`` ends inside a batch trains only part of its last batch; that batch's bound is computed over the whole
+batch all the same (:func:`plan_run_batches`), so every batch is assigned the same version whatever the run's length,
+and a run continued from a checkpoint with a larger ``max_steps`` generates what the longer run would.
+
 Everything here is a pure function of these integers; the trainer reads the numbers off the loop it runs in.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,10 @@ class PlannedBatch:
     """Micro-steps of the run that train on this batch."""
     first_version: int
     last_version: int
+    """Version of the last micro-step of the run that trains on the batch."""
+    whole_last_version: int | None = None
+    """Version of the batch's last micro-step had the run gone on to the batch's end, when the run ends inside it
+    (None: ``last_version``, the run trains the whole batch)."""
 
     @property
     def span(self) -> int:
@@ -128,7 +137,25 @@ def plan_generation_batches(micro_steps: list[MicroStep], micro_steps_per_batch:
     return batches
 
 
+def plan_run_batches(
+    shape: TrainingLoopShape, micro_steps_per_batch: int
+) -> tuple[list[MicroStep], list[PlannedBatch]]:
+    """Every micro-step of the run and its generation batches (:func:`plan_generation_batches`); a last batch the
+    run's end cuts short gets the ``whole_last_version`` the same loop reaches at that batch's end when run on."""
+    micro_steps = run_micro_steps(shape)
+    batches = plan_generation_batches(micro_steps, micro_steps_per_batch)
+    if batches:
+        # each optimizer step trains at least one micro-step: this many more complete any batch
+        longer = replace(shape, max_steps=shape.max_steps + micro_steps_per_batch)
+        whole = plan_generation_batches(run_micro_steps(longer), micro_steps_per_batch)[len(batches) - 1]
+        if whole.last_version != batches[-1].last_version:
+            batches[-1] = replace(batches[-1], whole_last_version=whole.last_version)
+    return micro_steps, batches
+
+
 def oldest_allowed_version(batch: PlannedBatch, max_staleness: int, start_version: int) -> int:
-    """The oldest weights that may generate ``batch`` so that no micro-step trains on it more than ``max_staleness``
-    versions later. Never newer than the weights the trainer has when it needs the batch (``first_version``)."""
-    return min(max(start_version, batch.last_version - max_staleness), batch.first_version)
+    """The oldest weights that may generate ``batch`` so that no micro-step of the whole batch (also the part after
+    the run's end, ``whole_last_version``) trains on it more than ``max_staleness`` versions later. Never newer than
+    the weights the trainer has when it needs the batch (``first_version``)."""
+    last = batch.last_version if batch.whole_last_version is None else batch.whole_last_version
+    return min(max(start_version, last - max_staleness), batch.first_version)

@@ -3,6 +3,7 @@ schedule assigns it, so two runs with the same seed are identical bit for bit, a
 
 import random
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -10,7 +11,9 @@ from helpers import StopAt, logged, logged_after, make_trainer, model_weights
 from tiny import length_reward, make_model
 from transformers import GenerationConfig
 
+from a3po_trl import builders
 from a3po_trl.generation import HFGenerateBackend, HFGenerationSettings
+from a3po_trl.generation.weights.version_checkpoint import load_kept_versions
 
 SETTINGS = dict(reproducible_generation=True, max_staleness=2, max_steps=6)
 
@@ -115,3 +118,49 @@ def test_backend_keeps_the_versions_a_later_batch_may_need_and_releases_older_on
     backend.publish(model, 4)
     backend.publish(model, 5)
     assert backend.weights.allocated_sets <= 4  # buffers are reused, not reallocated
+
+
+@pytest.mark.parametrize(
+    "shape, first_steps, kept",
+    [
+        (dict(), 2, [0, 1]),  # one optimizer step per batch: version 1 generates batch 3, which the first run lacks
+        (dict(steps_per_generation=2), 3, [1, 2]),  # the first run ends inside batch 1 (versions 2, 3)
+    ],
+    ids=["one-step-batches", "ending-inside-a-batch"],
+)
+def test_a_run_continued_with_a_larger_max_steps_trains_what_the_longer_run_trains(
+    tokenizer, tmp_path, shape, first_steps, kept
+):
+    # a constant learning rate: a decaying one follows max_steps, so the first run's own steps would differ already
+    checkpointing = dict(save_strategy="steps", save_steps=1, lr_scheduler_type="constant")
+    longer = {**SETTINGS, **shape, **checkpointing, "max_steps": 6}
+    uninterrupted = _run(tokenizer, tmp_path / "a", False, **longer)
+    _run(tokenizer, tmp_path / "b", False, **{**longer, "max_steps": first_steps})
+    checkpoint = tmp_path / "b" / "out" / f"checkpoint-{first_steps}"
+    # the versions within max_staleness before the checkpoint's step, whichever max_steps the run goes on to
+    assert sorted(load_kept_versions(str(checkpoint))) == kept
+    model = make_model(tokenizer, seed=123)
+    continued = make_trainer(tokenizer, tmp_path / "b", reward_funcs=(jittery_length_reward,), model=model, **longer)
+    continued.train(resume_from_checkpoint=True)
+    assert continued.state.global_step == 6
+    # every step's history (the first run's, restored from the checkpoint, then the continuation's) is the longer
+    # run's: the first run generated its last batch as the longer run does, also when it ended inside it
+    for key in ("loss", "grad_norm", "a3po/staleness_max"):
+        assert logged(continued, key) == logged(uninterrupted, key), key
+    a, b = model_weights(uninterrupted), model_weights(continued)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_a_checkpoint_lacking_a_version_the_resumed_run_needs_is_refused_naming_the_fix(tokenizer, tmp_path):
+    settings = {**SETTINGS, "max_steps": 2, "save_strategy": "steps", "save_steps": 2}
+    make_trainer(tokenizer, tmp_path, **settings).train()
+    assert sorted(load_kept_versions(str(tmp_path / "out" / "checkpoint-2"))) == [0, 1]
+
+    def as_an_older_version_kept_them(directory):  # only those the 2-step run's batches needed: no version 1
+        return {0: load_kept_versions(directory)[0]}
+
+    resumed = make_trainer(tokenizer, tmp_path, **{**settings, "max_steps": 4})
+    with mock.patch.object(builders, "load_kept_versions", as_an_older_version_kept_them):
+        with pytest.raises(ValueError, match=r"versions \[1\], which the checkpoint does not keep .*max_staleness"):
+            resumed.train(resume_from_checkpoint=True)
+    assert resumed.last_batch_producer is None  # refused before the generation thread started

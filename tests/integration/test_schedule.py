@@ -15,6 +15,7 @@ from a3po_trl.generation.schedule import (
     TrainingLoopShape,
     oldest_allowed_version,
     plan_generation_batches,
+    plan_run_batches,
     run_micro_steps,
 )
 
@@ -158,6 +159,25 @@ def test_planned_batches_never_span_more_than_the_configured_span(shape):
         oldest = oldest_allowed_version(batch, max_staleness=span - 1, start_version=start)
         assert batch.last_version - oldest <= span - 1  # the bound holds
         assert oldest <= batch.first_version  # and the trainer can publish these weights before it needs the batch
+
+
+@settings(max_examples=200, deadline=None)
+@given(_shapes(), st.integers(1, 12))
+def test_a_batch_is_assigned_the_same_version_whatever_the_runs_length(shape, more_steps):
+    """A run ending inside a batch assigns it the version a longer run does: a run continued from its checkpoint with
+    a larger max_steps generates what the longer run generates."""
+    steps_in_epoch, every, ga, extra_steps, start, skip = shape
+    span = largest_version_span(every, ga)
+    assigned = []
+    for max_steps in (start + extra_steps, start + extra_steps + more_steps):
+        loop = TrainingLoopShape(steps_in_epoch, ga, max_steps=max_steps, start_step=start, skip_trained_data=skip)
+        micro_steps, planned = plan_run_batches(loop, every)
+        assert micro_steps == run_micro_steps(loop)
+        assigned.append([oldest_allowed_version(batch, span - 1, start) for batch in planned])
+        for batch, oldest in zip(planned, assigned[-1], strict=True):
+            assert batch.last_version - oldest <= span - 1 and oldest <= batch.first_version
+    shorter, longer = assigned
+    assert longer[: len(shorter)] == shorter
 
 
 def test_unset_max_staleness_admits_the_schedule_plus_one_step_and_a_too_small_one_names_the_setting(tmp_path):

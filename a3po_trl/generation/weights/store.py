@@ -239,11 +239,11 @@ class VersionedWeights:
         with self._lock:
             self._drop(lambda v: v < version and v != self._newest)
 
-    def kept(self, before: int) -> dict[int, tuple[dict[str, torch.Tensor], Any]]:
-        """CPU copies of the kept versions older than ``before``, with their trainer states (for a checkpoint); each
-        its own tensor (never a view of a version's buffer), copied without the lock."""
+    def kept(self, before: int, since: int = 0) -> dict[int, tuple[dict[str, torch.Tensor], Any]]:
+        """CPU copies of the kept versions from ``since`` to ``before - 1``, with their trainer states (for a
+        checkpoint); each its own tensor (never a view of a version's buffer), copied without the lock."""
         with self._lock:
-            held = {v: entry for v, entry in self._published.items() if v < before}
+            held = {v: entry for v, entry in self._published.items() if since <= v < before}
             for buffers, _ in held.values():
                 self._use(buffers)
         try:
