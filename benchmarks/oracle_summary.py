@@ -92,7 +92,12 @@ def configuration_summary(runs: dict[int, dict]) -> dict:
             "drift": age_drift,
             **{name: float(pooled[name][at].mean()) / age_drift for name in ("fixed", "fitted_d", "fitted_d_age")},
         }
-    per_batch = [unit["fixed"].mean() / unit["drift"].mean() for unit in _batches(runs) if unit["drift"].mean() > 0]
+    series = batch_relative_errors(runs)
+    summary["guard"] = {
+        "exceed": {str(b): exceed_fraction(series, b) for b in BUDGETS},
+        "agreement": {str(b): {str(lag): lag_agreement(series, b, lag) for lag in LAGS} for b in BUDGETS},
+    }
+    per_batch = [value for run in series for value in run]
     summary["fixed_relative_per_batch"] = {
         "batches": len(per_batch),
         "median": float(np.median(per_batch)) if per_batch else None,
@@ -100,6 +105,55 @@ def configuration_summary(runs: dict[int, dict]) -> dict:
         "max": float(np.max(per_batch)) if per_batch else None,
     }
     return summary
+
+
+def batch_relative_errors(runs: dict[int, dict]) -> list[list[float]]:
+    """Per run (seed), the fixed weight's relative error of each batch, in batch order (batches with drift)."""
+    series = []
+    for run in runs.values():
+        values = []
+        for batch in np.unique(run["batch"]):
+            at = run["batch"] == batch
+            drift = run["drift"][at].mean()
+            if drift > 0:
+                values.append(float(run["fixed"][at].mean() / drift))
+        series.append(values)
+    return series
+
+
+def exceed_fraction(series: list[list[float]], budget: float) -> float:
+    values = [value for run in series for value in run]
+    return sum(value > budget for value in values) / len(values) if values else float("nan")
+
+
+def lag_agreement(series: list[list[float]], budget: float, lag: int) -> float | None:
+    """How often a check of batch ``i - lag`` decides for batch ``i`` as batch ``i``'s own check does (exceeds the
+    budget or not), over every run's batches that have one ``lag`` before them."""
+    pairs = [(run[i - lag] > budget, run[i] > budget) for run in series for i in range(lag, len(run))]
+    return sum(a == b for a, b in pairs) / len(pairs) if pairs else None
+
+
+BUDGETS = (1.0, 1.5, 2.0)
+LAGS = (1, 2, 4, 8)
+
+
+def guard_defaults(summaries: dict[str, dict]) -> dict:
+    """The guard's defaults by the addendum's rules: the budget (1.0 unless more than half of the configurations
+    exceed it in more than half of their batches), and the interval (the largest lag whose pooled agreement is at most
+    5 points below lag 1's)."""
+    budget = BUDGETS[-1]
+    for candidate in BUDGETS:
+        mostly_over = [n for n, s in summaries.items() if s["guard"]["exceed"][str(candidate)] > 0.5]
+        if len(mostly_over) <= len(summaries) / 2:
+            budget = candidate
+            break
+    pooled = {}
+    for lag in LAGS:
+        values = [s["guard"]["agreement"][str(budget)][str(lag)] for s in summaries.values()]
+        values = [v for v in values if v is not None]
+        pooled[str(lag)] = float(np.mean(values)) if values else None
+    interval = max(lag for lag in LAGS if pooled[str(lag)] is not None and pooled[str(lag)] >= pooled["1"] - 0.05)
+    return {"budget": budget, "interval": interval, "pooled_agreement": pooled}
 
 
 def _batches(runs: dict[int, dict]) -> list[dict[str, np.ndarray]]:
@@ -190,6 +244,37 @@ def summary_lines(summaries: dict[str, dict], verdict: dict, missing: list[str])
         lines.append(
             f"| {name} | {b['batches']} | {_fmt(b['median'], 2)} | {_fmt(b['p90'], 2)} | {_fmt(b['max'], 2)} |"
         )
+    defaults = guard_defaults(summaries) if summaries else None
+    if defaults is not None:
+        budget = defaults["budget"]
+        lines += [
+            "",
+            "For the guard's defaults (rules in the addendum of PREREGISTRATION.md): the share of batches whose fixed "
+            "weight's relative error exceeds each budget, and how often a check of batch i - L decides for batch i as "
+            f"batch i's own check does, at the budget {budget:g}:",
+            "",
+            "| configuration | "
+            + " | ".join(f"over {b:g}" for b in BUDGETS)
+            + " | "
+            + " | ".join(f"agreement L={lag}" for lag in LAGS)
+            + " |",
+            "|---|" + "---:|" * (len(BUDGETS) + len(LAGS)),
+        ]
+        for name, s_ in summaries.items():
+            over = " | ".join(f"{s_['guard']['exceed'][str(b)]:.0%}" for b in BUDGETS)
+            agree = " | ".join(
+                "-" if (v := s_["guard"]["agreement"][str(budget)][str(lag)]) is None else f"{v:.0%}" for lag in LAGS
+            )
+            lines.append(f"| {name} | {over} | {agree} |")
+        pooled = " | ".join(
+            "-" if (v := defaults["pooled_agreement"][str(lag)]) is None else f"{v:.0%}" for lag in LAGS
+        )
+        lines.append(f"| pooled (configurations weighted equally) | | | | {pooled} |")
+        lines += [
+            "",
+            f"**Guard defaults by the registered rules: `prox_error_budget={budget:g}`, "
+            f"`prox_check_interval={defaults['interval']}`.**",
+        ]
     meeting = ", ".join(verdict["meeting"]) or "none"
     rule = "build" if verdict["build_fitted_weight"] else "do not build"
     lines += [
@@ -212,7 +297,8 @@ def write_summary(records: dict, out: Path, missing: list[str]) -> str:
     verdict = decision(summaries) if summaries else {"configurations": 0, "meeting": [], "build_fitted_weight": False}
     lines = summary_lines(summaries, verdict, missing)
     (out / "summary.md").write_text("\n".join(lines) + "\n")
-    payload = {"configurations": summaries, "decision": verdict, "missing": missing}
+    defaults = guard_defaults(summaries) if summaries else None
+    payload = {"configurations": summaries, "decision": verdict, "guard_defaults": defaults, "missing": missing}
     (out / "summary.json").write_text(json.dumps(payload, indent=1) + "\n")
     if summaries:
         _plot(summaries, out / "oracle.png")
