@@ -34,11 +34,38 @@ def trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Par
 
 
 def _local_values(parameter: torch.Tensor) -> torch.Tensor:
-    """The plain tensor that holds this process's values of ``parameter`` (sharing its storage): DeepSpeed ZeRO-3
-    keeps them in ``ds_tensor`` (the parameter itself is empty outside a forward), FSDP2 in the DTensor's local
-    shard; otherwise the parameter itself."""
-    values = getattr(parameter, "ds_tensor", parameter).detach()
+    """The plain tensor that holds this process's values of ``parameter`` (sharing its storage): FSDP2 keeps them in
+    the DTensor's local shard; otherwise the parameter itself (under ZeRO-3, inside :func:`_whole`)."""
+    values = parameter.detach()
     return values.to_local() if hasattr(values, "to_local") else values
+
+
+def _resharded(model: torch.nn.Module) -> None:
+    """Under FSDP2, put every sharded module's parameters back in their sharded form (a module a forward left
+    unsharded, the root's by default, exposes whole plain tensors until its backward): what is kept and exchanged is
+    always this process's shard."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+@contextmanager
+def _whole(parameters: list[torch.Tensor], modify: bool):
+    """Within the block the parameters hold their whole values: under DeepSpeed ZeRO-3 (partitioned parameters carry
+    a ``ds_id``) they are gathered on every process, and with ``modify`` what the block writes into them is
+    partitioned again when it ends (every process writes the same, process 0's is kept); elsewhere nothing to do.
+    A collective under ZeRO-3: every process enters it together."""
+    if not any(hasattr(parameter, "ds_id") for parameter in parameters):
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(parameters, modifier_rank=0 if modify else None):
+        yield
 
 
 class PreviousVersionWeights:
@@ -56,8 +83,9 @@ class PreviousVersionWeights:
     def keep(self, model: torch.nn.Module, version: int, device: torch.device | str | None = None) -> None:
         """Copy ``model``'s trainable parameters as they are now, as version ``version``, to ``device`` (each
         parameter's own by default)."""
+        _resharded(model)
         named = trainable_parameters(model)
-        with torch.no_grad():
+        with torch.no_grad(), _whole([parameter for _, parameter in named], modify=False):
             values = [_local_values(parameter).clone() for _, parameter in named]
             if device is not None:
                 values = [value.to(device) for value in values]
@@ -88,14 +116,14 @@ class PreviousVersionWeights:
         both are exchanged back when it ends."""
         if self.version is None:
             raise RuntimeError("PreviousVersionWeights.swapped_in before any keep(): no version is kept.")
+        _resharded(model)
         named = trainable_parameters(model)
         if [name for name, _ in named] != self._names:
             raise RuntimeError(
                 "The model's trainable parameters are not those kept (another model, or requires_grad changed since "
                 "keep()): the kept version cannot be swapped in."
             )
-        parameters = [_local_values(parameter) for _, parameter in named]
-        self._values = [kept.to(parameter.device) for kept, parameter in zip(self._values, parameters)]
+        parameters = [parameter for _, parameter in named]
         self._exchange(parameters)
         try:
             yield
@@ -103,8 +131,10 @@ class PreviousVersionWeights:
             self._exchange(parameters)
 
     def _exchange(self, parameters: list[torch.Tensor]) -> None:
-        with torch.no_grad():
-            for parameter, kept in zip(parameters, self._values):
+        with torch.no_grad(), _whole(parameters, modify=True):
+            local = [_local_values(parameter) for parameter in parameters]
+            self._values = [kept.to(values.device) for kept, values in zip(self._values, local)]
+            for parameter, kept in zip(local, self._values):
                 held = parameter.clone()
                 parameter.copy_(kept)
                 kept.copy_(held)

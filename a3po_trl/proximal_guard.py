@@ -5,8 +5,8 @@ Every ``prox_check_interval`` generation batches (the run's batches ``1, 1 + N, 
 first batch of the first epoch, so a resumed run checks the batches an uninterrupted one checks) the guard measures,
 at every micro-step of that batch, the interpolation ``w b + (1 - w) c`` against the exact log-probs ``t`` of the
 version it targets, one before the trained weights (:mod:`a3po_trl.proximal_check`: that version's trainable weights
-are kept before the optimizer step that ends it, only when the next step trains a checked batch, and exchanged in for
-one no-grad forward). Over the checked batch's tokens of staleness ``d >= 1`` on every process
+are kept at the last micro-step that trains them, before its forward, only when the next step trains a checked batch,
+and exchanged in for one no-grad forward). Over the checked batch's tokens of staleness ``d >= 1`` on every process
 (:func:`~a3po_trl.functional.interpolation_check_sums`), the check's error is the mean ``|w b + (1 - w) c - t|`` in
 nats, and its relative error that over the mean ``|c - t|``, one optimizer step's drift on the same tokens: 1.0 is an
 anchor as far from the target as the trained weights themselves, at any learning rate.
@@ -30,7 +30,6 @@ import math
 import os
 
 import torch
-from transformers import TrainerCallback
 
 from .functional import interpolation_check_sums, interpolation_check_verdict
 from .generation.schedule import PlannedBatch
@@ -87,8 +86,8 @@ class ProximalGuard:
             self._pending = self._pending.to(device)
 
     def keep_if_due(self, model: torch.nn.Module, version: int) -> None:
-        """Before the optimizer step that ends version ``version``: keep its trainable weights if the next version
-        trains a checked batch (its micro-steps need them), else free what was kept."""
+        """On the last micro-step of version ``version``, before its forward: keep its trainable weights if the next
+        version trains a checked batch (its micro-steps need them), else free what was kept."""
         if version + 1 in self._checked_versions:
             self.previous.keep(model, version)
         else:
@@ -103,12 +102,18 @@ class ProximalGuard:
         return self.recompute, self.is_checked(planned), metrics
 
     def reference(self, trainer, model, inputs: dict) -> torch.Tensor | None:
-        """The exact target's log-probs of a micro-batch of a checked batch (``None`` for other micro-batches, and
-        for a first micro-step whose version before it was not kept, e.g. version 0)."""
-        if not bool(inputs.get("prox_check", False)) or self.previous.version != trainer.state.global_step - 1:
-            return None
-        with self.timer.time(trainer.accelerator.device):
-            return self.previous.logps(trainer, model, inputs, trainer._unwrapped_model())
+        """Before a training micro-step's forward: the exact target's log-probs of its micro-batch if its batch is
+        checked (``None`` for other micro-batches, and for a micro-step whose version before it was not kept, e.g.
+        version 0); then, on the last micro-step of an optimizer step (the weights are still this version's:
+        DeepSpeed steps its optimizer inside the backward that follows), keep them if the next step is checked."""
+        version = trainer.state.global_step
+        logps = None
+        if bool(inputs.get("prox_check", False)) and self.previous.version == version - 1:
+            with self.timer.time(trainer.accelerator.device):
+                logps = self.previous.logps(trainer, model, inputs, trainer._unwrapped_model())
+        if trainer.accelerator.sync_gradients:
+            self.keep_if_due(trainer._unwrapped_model(), version)
+        return logps
 
     def add(self, loglinear, current, exact, staleness, mask) -> None:
         """Add one checked micro-batch's sums to the check in progress (on the device: nothing waits)."""
@@ -174,13 +179,3 @@ class ProximalGuard:
             weights = os.path.join(directory, WEIGHTS_FILE.format(rank=process_index))
             kept = torch.load(weights, map_location="cpu", weights_only=True)
             self.previous.load_state(kept)
-
-
-class KeepCheckedVersionCallback(TrainerCallback):
-    """Before each optimizer step, lets the guard keep the weights the next step's checked micro-steps need."""
-
-    def __init__(self, trainer):
-        self.trainer = trainer
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.trainer.proximal_guard.keep_if_due(self.trainer._unwrapped_model(), state.global_step)

@@ -53,7 +53,7 @@ from .generation.weights.version_checkpoint import save_kept_versions
 from .losses import DecoupledLossMixin
 from .metrics.deferred import resolve_metrics
 from .patches import align_position_ids_with_generation
-from .proximal_guard import KeepCheckedVersionCallback, ProximalGuard
+from .proximal_guard import ProximalGuard
 from .rollout.prompt_draws import save_prompt_draws
 from .rollout.rollout_func import generate_completions
 from .timeline import TRAINING_LANE, TimelineRecorder, TraceWriter, TrainingStepTimeline
@@ -168,7 +168,6 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         """The interpolation's checks and the anchor they chose, with ``prox_logp_method="guarded"``."""
         if args.prox_logp_method == "guarded":
             self.proximal_guard = ProximalGuard(args.prox_check_interval, args.prox_error_budget)
-            self.add_callback(KeepCheckedVersionCallback(self))
 
     # ---- batch producer --------------------------------------------------------------------------------------------
     def _unwrapped_model(self):

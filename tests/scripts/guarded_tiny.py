@@ -1,12 +1,13 @@
 """Train a tiny model with ``prox_logp_method="guarded"`` under `accelerate launch` and write one JSON report per rank
 (used by test_proximal_guard_distributed.py).
 
-accelerate launch --config_file CONFIG tests/scripts/guarded_tiny.py OUT_DIR [--lora]
+accelerate launch --config_file CONFIG tests/scripts/guarded_tiny.py OUT_DIR [--lora] [--fsdp2]
 
 Two optimizer steps per generation batch, every batch from the first checked, and on process 1 only the
 interpolation made wrong on purpose while batch 1 trains (steps 2 and 3): the check pools both processes' tokens, so
 both must switch to the recomputed anchor for batch 2 (process 0's own tokens alone would not) and back for batch 3.
 The report holds each process's logged anchor per step, the checks' relative errors and the guard's counts.
+``--fsdp2`` turns FSDP on for the CPU processes (tests/fsdp_cpu.py), for a launch with an FSDP2 configuration.
 """
 
 import json
@@ -25,6 +26,10 @@ from a3po_trl.functional import approximate_proximal_logps  # noqa: E402
 
 def main():
     out_dir = sys.argv[1]
+    if "--fsdp2" in sys.argv:
+        from fsdp_cpu import force_fsdp_on_cpu
+
+        force_fsdp_on_cpu()
     tokenizer = make_tokenizer()
     model = make_model(tokenizer)
     if "--lora" in sys.argv:
