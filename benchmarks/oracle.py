@@ -115,6 +115,8 @@ class ExactAnchorRecorder:
         from a3po_trl.functional import token_staleness
 
         trainer, step = self.trainer, self.trainer.state.global_step
+        batch = int(inputs["batch_index"])
+        first = self.first_step_of_batch.setdefault(batch, step)
         if self.previous.version != step - 1:
             return  # version 0: nothing before it
         exact = self.previous.logps(trainer, model, inputs, trainer._unwrapped_model())
@@ -127,8 +129,6 @@ class ExactAnchorRecorder:
         mask = inputs["completion_mask"].bool()
         if "tool_mask" in inputs:
             mask &= inputs["tool_mask"].bool()
-        batch = int(inputs["batch_index"])
-        first = self.first_step_of_batch.setdefault(batch, step)
         staleness = token_staleness(step, inputs["token_versions"]).expand_as(mask)
         values = {
             "step": torch.full_like(staleness, step),
@@ -285,7 +285,7 @@ def _map_trainer(options, name: str, seed: int):
 
 # ---- the summary ----------------------------------------------------------------------------------------------
 def summarize(store: RunStore, options) -> str:
-    from benchmarks.oracle_summary import write_summary
+    from benchmarks.common.oracle_summary import write_summary
 
     records = store.records()
     missing = [str(cell) for cell in cells(options) if cell not in records]

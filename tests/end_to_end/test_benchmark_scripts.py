@@ -26,6 +26,11 @@ SMOKE_TESTS = {
     ),
     "in_flight": ("tests/end_to_end/test_arm_studies.py", "test_in_flight_study_records_the_loads_and_pairs_the_arms"),
     "lora_memory": ("tests/end_to_end/test_benchmark.py", "test_lora_memory_report_on_the_tiny_model"),
+    "guard_map": (
+        "tests/end_to_end/test_oracle_and_guard.py",
+        "test_quick_guard_map_pairs_the_guard_with_both_methods",
+    ),
+    "oracle": ("tests/end_to_end/test_oracle_and_guard.py", "test_quick_oracle_records_every_token_and_decides"),
     "proximal_map": (
         "tests/end_to_end/test_proximal_map.py",
         "test_quick_map_records_the_schedule_summarizes_with_intervals_and_resumes",

@@ -1,0 +1,62 @@
+"""benchmarks/oracle.py and benchmarks/guard_map.py end to end at a tiny size: the oracle records every trained
+token's behavior, current and exact target log-probs and decides by its registered rules; the guard's map study pairs
+the guarded runs with both methods by seed."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from benchmarks.oracle import TOKEN_FIELDS, decode_tokens
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.mark.slow
+def test_quick_oracle_records_every_token_and_decides(tmp_path):
+    out = tmp_path / "oracle"
+    command = [sys.executable, "-m", "benchmarks.oracle", "--quick", "--out", str(out), "--cells-per-launch", "4"]
+    command += ["--configs", "map-s4-k4-lrhi,map-s2-k1-lrhi", "--seeds", "0,1"]
+    subprocess.run(command, check=True, timeout=900, env=ENV, capture_output=True, text=True, cwd=ROOT)
+    record = json.loads((out / "runs" / "map-s4-k4-lrhi@0.json").read_text())
+    assert record["prox_logp_method"] == "loglinear" and record["steps_per_batch"] == 4
+    tokens = decode_tokens(record["tokens_npz"])
+    assert set(tokens) == set(TOKEN_FIELDS) and record["tokens"] == tokens["step"].size > 0
+    assert tokens["step"].min() == 1  # version 0 has no version before it
+    # 4 steps per batch, max_staleness 7: batch b trains steps 4b..4b+3 at ages 0..3
+    assert set(np.unique(tokens["age"])) == {0, 1, 2, 3}
+    assert np.array_equal(tokens["age"], tokens["step"] - 4 * (tokens["step"] // 4))
+    assert np.all(tokens["staleness"] >= tokens["age"])
+    moved = tokens["step"] >= 2  # after a step that moved the weights, the target is not the trained weights'
+    assert np.any(tokens["exact"][moved] != tokens["current"][moved])
+    summary = (out / "summary.md").read_text()
+    assert "| map-s4-k4-lrhi | 0,1 |" in summary and "| map-s2-k1-lrhi | 0,1 |" in summary
+    assert "**Decision (registered rule:" in summary and "**Guard defaults by the registered rules:" in summary
+    payload = json.loads((out / "summary.json").read_text())
+    assert payload["decision"]["configurations"] == 2 and payload["missing"] == []
+    assert payload["guard_defaults"]["budget"] in (1.0, 1.5, 2.0)
+    assert (out / "oracle.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_quick_guard_map_pairs_the_guard_with_both_methods(tmp_path):
+    out = tmp_path / "guard"
+    configs = "guarded-s2-k1-lrhi,loglinear-s2-k1-lrhi,recompute-s2-k1-lrhi"
+    command = [sys.executable, "-m", "benchmarks.guard_map", "--quick", "--steps", "8", "--configs", configs]
+    command += ["--out", str(out), "--cells-per-launch", "6"]
+    subprocess.run(command, check=True, timeout=900, env=ENV, capture_output=True, text=True, cwd=ROOT)
+    guarded = json.loads((out / "runs" / "guarded-s2-k1-lrhi@0.json").read_text())
+    assert guarded["method"] == "guarded"
+    assert [v for v in guarded["logged"]["a3po/prox_recompute_fraction"] if v is not None]  # the guard logged
+    loglinear = json.loads((out / "runs" / "loglinear-s2-k1-lrhi@0.json").read_text())
+    assert all(v is None for v in loglinear["logged"]["a3po/prox_recompute_fraction"])
+    assert guarded["evaluations"]["0"] == loglinear["evaluations"]["0"]  # the same seed: the same start
+    summary = json.loads((out / "summary.json").read_text())
+    assert [row["cell"] for row in summary["families"]["guarded - loglinear"]] == ["s2-k1-lrhi"]
+    assert [row["cell"] for row in summary["families"]["guarded - recompute"]] == ["s2-k1-lrhi"]
+    row = summary["families"]["guarded - recompute"][0]
+    assert row["verdict"] in ("difference", "equivalent", "not resolved") and row["n"] == 2
