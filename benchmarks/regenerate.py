@@ -6,9 +6,9 @@
 What is regenerated, and from what:
 
 - the studies with per-run records (``<study>/runs/<config>@<seed>.json``): the staleness study, its pre-registered
-  confirmation, time to accuracy, dynamic sampling, in-flight updates, and the proximal map and the approximation
-  study once their runs are committed; each study's own ``--summary-only`` (``summary.md``, ``summary.json``, its
-  plot);
+  confirmation, time to accuracy, dynamic sampling, in-flight updates, the proximal map, the approximation study,
+  the oracle study and the guard's map cells once their runs are committed; each study's own ``--summary-only``
+  (``summary.md``, ``summary.json``, its plot);
 - the proximal map while its runs are not committed: ``families.{md,json}`` (Holm within each family, equivalence
   against the margin), read back from the committed ``summary.json``'s means and intervals;
 - ``compare-*.md`` and ``profile-*.md`` from their JSON reports (``benchmarks/compare``), ``backends-*.md`` from theirs
@@ -74,6 +74,14 @@ def regenerate(results: Path = RESULTS) -> list[str]:
         from benchmarks import approximation  # builds trainers: imported only where it has records to read
 
         studies.append(("approximation", approximation.main, []))
+    if _has_runs(results / "oracle"):
+        from benchmarks import oracle
+
+        studies.append(("oracle", oracle.main, []))
+    if _has_runs(results / "guard" / "map"):
+        from benchmarks import guard_map
+
+        studies.append(("guard/map", guard_map.main, []))
     for folder, main, extra in studies:
         if _has_runs(results / folder):
             with contextlib.redirect_stdout(io.StringIO()):  # each study prints its summary
