@@ -12,7 +12,8 @@ and its last (one optimizer step per generation batch, or several batches per st
 micro-step of the batch trains, and the training forward's own log-probs, detached, are the anchor: no other forward
 runs. Otherwise (``steps_per_generation > gradient_accumulation_steps``, ``num_iterations > 1``) one no-grad forward
 over the whole generation batch computes them at its first micro-step, before any of its optimizer steps
-(:meth:`DecoupledLossMixin.attach_proximal_logps`), for all its micro-batches at once.
+(:meth:`DecoupledLossMixin.attach_proximal_logps`), for all its micro-batches at once; a run resumed inside such a
+batch takes them from the checkpoint instead (:mod:`a3po_trl.checkpoints.recomputed_anchor`).
 
 Nothing here waits for the device at a micro-step: the metrics stay device tensors until ``log``
 (:mod:`a3po_trl.metrics.deferred`), and the proximal log-probs are timed with CUDA events read at log time. The one

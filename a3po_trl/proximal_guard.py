@@ -19,7 +19,7 @@ with the interpolation again. A check that measured no token (every token on-pol
 
 The state (the anchor in use, the check in progress, the counts, and the kept weights when a checked micro-step
 follows) goes into every checkpoint, one file per process, so that a resumed run continues with the decisions an
-uninterrupted run makes.
+uninterrupted run makes; resumed inside a batch, it goes on with that batch's check, settled with the next batch.
 """
 
 from __future__ import annotations
@@ -97,8 +97,11 @@ class ProximalGuard:
     def begin_batch(self, planned: PlannedBatch, accelerator) -> tuple[bool, bool, dict[str, float]]:
         """When the trainer takes a batch: settle the check in progress, if any (on every process together), and
         return ``(recompute, checked, metrics)``: the anchor the batch trains with, whether it is checked, and the
-        settled check's metrics."""
-        metrics = self._settle(accelerator) if self._pending is not None else {}
+        settled check's metrics. The first batch of a run resumed inside it (``first_offset > 0``) settles nothing:
+        the check in progress is its own, restored from the checkpoint, and settles with the next batch, over all its
+        micro-steps, as in the uninterrupted run."""
+        resumed_inside = planned.first_offset > 0
+        metrics = self._settle(accelerator) if self._pending is not None and not resumed_inside else {}
         return self.recompute, self.is_checked(planned), metrics
 
     def reference(self, trainer, model, inputs: dict) -> torch.Tensor | None:

@@ -44,6 +44,7 @@ from .builders import (
 )
 from .checkpoints import resolve_resume_checkpoint, save_checkpoint_atomically
 from .checkpoints.batch_order import load_batch_order, permute_rows, save_batch_order
+from .checkpoints.recomputed_anchor import restore_recomputed_anchor, save_recomputed_anchor
 from .config import AsyncA3POConfig, trainer_config
 from .distributed import destroy_process_group_at_exit, raise_together
 from .generation import BatchProducer, GenerationBackend
@@ -259,6 +260,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             directory = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
             if self._batch_order is not None:  # every process: the order of its rows of the batch it is in
                 save_batch_order(directory, self.accelerator.process_index, self._batch_order)
+                save_recomputed_anchor(self, directory)  # and, where the checkpoint falls inside it, its anchor
             if self.args.reproducible_generation and self._backend is not None and self.args.should_save:
                 save_kept_versions(self._backend, directory, self.state.global_step, self.args.max_staleness)
             if self.proximal_guard is not None:  # every process: the anchor in use, the check in progress
@@ -413,6 +415,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
                 batch = self._order_rows(batch, planned)
                 span_args.update(self._step_timeline.batch)
             self._buffered_inputs = split_tensor_dict(batch, self.args.steps_per_generation)
+            restore_recomputed_anchor(self, planned, self._buffered_inputs)  # resumed inside it: the kept anchor
         self._step_timeline.inputs_ready()
         return self._buffered_inputs[position % self.args.steps_per_generation]
 

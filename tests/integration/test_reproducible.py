@@ -12,10 +12,13 @@ from tiny import length_reward, make_model
 from transformers import GenerationConfig
 
 from a3po_trl import builders
+from a3po_trl.checkpoints.recomputed_anchor import FILE_NAME as RECOMPUTED_ANCHOR_FILE
 from a3po_trl.generation import HFGenerateBackend, HFGenerationSettings
 from a3po_trl.generation.weights.version_checkpoint import load_kept_versions
 
 SETTINGS = dict(reproducible_generation=True, max_staleness=2, max_steps=6)
+#: What ``prox_logp_method="guarded"`` logs of its anchor and its checks.
+GUARD_KEYS = ["a3po/prox_recompute_fraction", "a3po/prox_check_error", "a3po/prox_check_error_relative"]
 
 
 def jittery_length_reward(completions, **kwargs):
@@ -164,3 +167,40 @@ def test_a_checkpoint_lacking_a_version_the_resumed_run_needs_is_refused_naming_
         with pytest.raises(ValueError, match=r"versions \[1\], which the checkpoint does not keep .*max_staleness"):
             resumed.train(resume_from_checkpoint=True)
     assert resumed.last_batch_producer is None  # refused before the generation thread started
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        dict(prox_logp_method="recompute", steps_per_generation=2),
+        dict(prox_logp_method="metrics", num_iterations=2),
+        # a budget every check exceeds: batch 1's check, settled when batch 2 is taken, switches to the recomputed
+        # anchor; batch 2's own check is in progress at the checkpoint
+        dict(prox_logp_method="guarded", prox_check_interval=1, prox_error_budget=1e-3, steps_per_generation=2),
+    ],
+    ids=["recompute", "metrics-iterations", "guarded"],
+)
+def test_a_resume_inside_a_batch_trains_the_rest_of_it_with_the_uninterrupted_runs_anchor(tokenizer, tmp_path, method):
+    # Each batch is trained over two optimizer steps, anchored at the weights of its first: batch 2 trains steps 4
+    # and 5 with version 4's log-probs. The checkpoint at step 5 falls inside it: the resumed run, at version 5, must
+    # train step 5 with version 4's anchor as the uninterrupted run does, not with its own weights'.
+    settings = {**SETTINGS, **method, "max_steps": 8, "save_strategy": "steps", "save_steps": 5}
+    uninterrupted = make_trainer(tokenizer, tmp_path / "a", **settings)
+    uninterrupted.train()
+    interrupted = make_trainer(tokenizer, tmp_path / "b", **settings)
+    interrupted.add_callback(StopAt(5))
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.train()
+    checkpoint = tmp_path / "b" / "out" / "checkpoint-5"
+    assert (checkpoint / RECOMPUTED_ANCHOR_FILE.format(rank=0)).exists()
+    resumed = make_trainer(tokenizer, tmp_path / "b", model=make_model(tokenizer, seed=123), **settings)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    keys = ["loss", "grad_norm"]
+    keys += {"metrics": ["a3po/anchor_age", "a3po/anchor_approx_logp_abs_error"], "guarded": GUARD_KEYS}.get(
+        method["prox_logp_method"], []
+    )
+    for key in keys:
+        assert logged_after(resumed, key, 5) == logged_after(uninterrupted, key, 5), key
+        assert logged_after(resumed, key, 5), key
+    a, b = model_weights(uninterrupted), model_weights(resumed)
+    assert all(torch.equal(a[n], b[n]) for n in a)
