@@ -122,7 +122,10 @@ class AsyncA3POConfig(GRPOConfig):
             continue the batch's completions with it (as PipelineRL and prime-rl do), instead of finishing the batch
             with the weights it started with. Every completion token records the version that sampled it, and its
             behavior log-prob is the one those weights gave it; the KV cache of the earlier tokens stays as the
-            earlier weights computed it (see docs/ARCHITECTURE.md), and the loss stales each token by its own version.
+            earlier weights computed it (see docs/ARCHITECTURE.md: with `loglinear` at staleness `d <= 1` the gap
+            between that cache and the trainer's forward enters the clipped ratio unweighted;
+            `a3po/behavior_mismatch_after_switch_mean|max` measures it), and the loss stales each token by its own
+            version.
             `max_staleness` still bounds every token (a sample's oldest token is its first). Supported with the
             `generate` backend (`use_vllm=False`, between decode steps), vLLM colocate with full weights (between
             engine steps) and a vLLM server with full weights (its pause with requests kept / load / resume, also when

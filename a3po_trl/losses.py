@@ -281,7 +281,11 @@ class DecoupledLossMixin:
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss.detach()).mean())
 
         self._log_loss_metrics(mode, mask, staleness, entropies, stats, per_token_kl)
-        self._log(mode, behavior_mismatch_metrics(self.accelerator, current_logps, behavior_logps, mask, staleness))
+        # with in-flight updates, the tokens sampled after a switch (over an older cache) are measured apart
+        versions = inputs["token_versions"] if args.in_flight_weight_updates else None
+        self._log(
+            mode, behavior_mismatch_metrics(self.accelerator, current_logps, behavior_logps, mask, staleness, versions)
+        )
         self._log(mode, behavior_drift_metrics(self.accelerator, current_logps, behavior_logps, mask, staleness))
         if args.prox_logp_method == "guarded" and train:
             guard_values = {"a3po/prox_recompute_fraction": float(method_name == "guarded-recompute")}
