@@ -15,6 +15,12 @@ timeout (30 min) instead of exiting, which is what lets the launcher end the oth
 
 :func:`raise_together` is the other half: a step every process takes together (taking a generation batch, saving or
 resuming a checkpoint) that fails on one process raises on all of them, so none is left in a collective.
+
+:func:`take_together` is that step for a wait of unknown length: each process takes its generation batch, then waits
+for the others at an :class:`ArrivalGate` (through the store, no collective) before the collective that agrees on the
+outcome. A process whose generation thread must draw many batches (dynamic sampling) can keep the others waiting
+longer than the process group's timeout (``ddp_timeout``, 30 min by default); in a collective they would fail with a
+timeout that says nothing of why.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import atexit
 import datetime
 import logging
 import threading
+import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -97,6 +105,71 @@ def raise_together(accelerator, error: BaseException | None, what: str, peer_err
     failures = [f"on process {index}: {message}" for index, message in everyone if message is not None]
     if failures:
         raise peer_error(f"{what} failed {'; '.join(failures)}")
+
+
+#: Seconds a process waits at an :class:`ArrivalGate` before it first says so in the log (then after twice as long).
+GATE_REPORT_AFTER_SECONDS = 300.0
+
+
+class ArrivalGate:
+    """A point every process passes together, one call of :meth:`wait` after another, waited for through the process
+    group's store: no collective, so a wait as long as another process needs (its generation drawing many batches)
+    never runs into the process group's timeout. A process killed meanwhile leaves the others waiting until the
+    launcher ends them on its exit, or, when it was process 0 (the store's host), until their next look fails.
+
+    Built by every process together, in the main thread (:func:`private_store`: one broadcast); nothing with one
+    process. ``poll_interval`` bounds the pause between two looks at the store (the first look comes after 1 ms, each
+    next one after twice as long)."""
+
+    def __init__(self, accelerator, name: str, poll_interval: float):
+        self.world_size = accelerator.num_processes
+        self.process_index = accelerator.process_index
+        self.poll_interval = poll_interval
+        self.store = private_store(name) if self.world_size > 1 else None
+        self.passed = 0
+
+    def wait(self, what: str) -> None:
+        """Return once every process called this as often as this one; ``what`` names the step in the log when the
+        wait is long."""
+        if self.store is None:
+            return
+        key = f"arrived/{self.passed}"
+        arrived, pause, start = self.store.add(key, 1), 0.001, time.monotonic()
+        report_after = GATE_REPORT_AFTER_SECONDS
+        while arrived < self.world_size:
+            time.sleep(pause)
+            pause = min(2 * pause, self.poll_interval)
+            arrived = self.store.add(key, 0)
+            waited = time.monotonic() - start
+            if arrived < self.world_size and waited >= report_after:
+                report_after *= 2
+                logger.warning(
+                    "%s: process %d has waited %.0f s for the other processes (%d of %d are there); one whose "
+                    "generation draws many batches (dynamic sampling) takes that long.",
+                    what,
+                    self.process_index,
+                    waited,
+                    arrived,
+                    self.world_size,
+                )
+        if self.passed > 0 and self.process_index == 0:
+            # every process passed the previous gate before it arrived at this one, which all have now
+            self.store.delete_key(f"arrived/{self.passed - 1}")
+        self.passed += 1
+
+
+def take_together(accelerator, gate: ArrivalGate, take: Callable[[], object], what: str):
+    """``take()`` on every process, then its result; if it raised on any process, raises on every one
+    (:func:`raise_together`). The processes meet at ``gate`` first, so that however long one of them takes, the others
+    wait for it outside the collective that agrees on the outcome."""
+    taken, error = None, None
+    try:
+        taken = take()
+    except Exception as failure:  # noqa: BLE001 - raised on every process by raise_together
+        error = failure
+    gate.wait(what)
+    raise_together(accelerator, error, what)
+    return taken
 
 
 def private_store(prefix: str):

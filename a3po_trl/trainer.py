@@ -46,7 +46,7 @@ from .checkpoints import resolve_resume_checkpoint, save_checkpoint_atomically
 from .checkpoints.batch_order import load_batch_order, permute_rows, save_batch_order
 from .checkpoints.recomputed_anchor import restore_recomputed_anchor, save_recomputed_anchor
 from .config import AsyncA3POConfig, trainer_config
-from .distributed import destroy_process_group_at_exit, raise_together
+from .distributed import ArrivalGate, destroy_process_group_at_exit, take_together
 from .generation import BatchProducer, GenerationBackend
 from .generation.weights.gather import whole_state_dict
 from .generation.weights.names import ACTIVATION_CHECKPOINT_PREFIX, strip_checkpoint_wrapper_from_files
@@ -150,6 +150,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         self._backend: GenerationBackend | None = None
         self._run_start_step = 0
         self._steps_in_epoch: int | None = None
+        self._batch_gate: ArrivalGate | None = None
         self._plan: RunPlan | None = None
         """The micro-steps and generation batches of the current run (see :func:`a3po_trl.builders.plan_run`)."""
         self._schedule_warned = False
@@ -237,6 +238,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         if self.proximal_guard is not None:
             process, device = self.accelerator.process_index, self.accelerator.device
             self.proximal_guard.start_run(self._plan, self._steps_in_epoch, self._resume_checkpoint, process, device)
+        self._batch_gate = ArrivalGate(self.accelerator, "a3po-take-batch", self.args.generation_poll_interval)
         self._producer, earlier = build_batch_producer(self, self._plan)
         self.last_batch_producer = self._producer
         model, version = self._unwrapped_model(), self.state.global_step
@@ -420,15 +422,12 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         return self._buffered_inputs[position % self.args.steps_per_generation]
 
     def _take_batch(self):
-        """The producer's next batch. The processes agree first on whether each has one: a process whose generation
-        failed would otherwise leave the others in the collectives that follow."""
-        taken, error = None, None
-        try:
-            taken = self._producer.get()
-        except Exception as failure:  # noqa: BLE001 - raised on every process by raise_together
-            error = failure
-        raise_together(self.accelerator, error, "Taking the next generation batch")
-        return taken
+        """The producer's next batch. The processes agree first on whether each has one (a process whose generation
+        failed would otherwise leave the others in the collectives that follow), after waiting for each other outside
+        any collective (a process drawing many batches can take longer than the process group's timeout)."""
+        return take_together(
+            self.accelerator, self._batch_gate, self._producer.get, "Taking the next generation batch"
+        )
 
     def _order_rows(self, batch: dict, planned) -> dict:
         """Shuffle the rows of a new generation batch as GRPOTrainer does; the first batch of a run resumed inside

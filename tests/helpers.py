@@ -186,6 +186,27 @@ def fail_second_generation(trainer, message: str) -> None:
     trainer._build_backend = failing_backend
 
 
+def slow_second_generation(trainer, seconds: float) -> None:
+    """Make the second ``generate`` call of the backend ``trainer`` builds take ``seconds`` longer (the `accelerate
+    launch` test scripts' ``--slow-rank``: one process's generation keeping the others waiting)."""
+    build = trainer._build_backend
+
+    def slow_backend():
+        backend, calls = build(), []
+        generate = backend.generate
+
+        def generate_slowly_once(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                time.sleep(seconds)
+            return generate(*args, **kwargs)
+
+        backend.generate = generate_slowly_once
+        return backend
+
+    trainer._build_backend = slow_backend
+
+
 def launch_fsdp2(tmp_path, script, *args, fsdp_config=None, timeout=600, mixed_precision="no"):
     """``script OUT *args`` under ``accelerate launch`` with examples/accelerate_configs/fsdp2.yaml (two processes;
     ``mixed_precision``, off by default; a free port; ``fsdp_config`` entries overridden), the repository on

@@ -10,7 +10,7 @@ import sys
 import textwrap
 
 import pytest
-from helpers import run_process_tree
+from helpers import free_port, run_process_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "distributed_tiny.py")
@@ -175,6 +175,17 @@ def test_two_processes_fill_their_batches_by_dynamic_sampling_from_disjoint_prom
         slices = [r["drawn_prompts"][16 * epoch : 16 * (epoch + 1)] for r in reports]
         assert all(len(set(drawn)) == len(drawn) for drawn in slices)
         assert not set(slices[0]) & set(slices[1])
+
+
+def test_a_process_generating_past_the_process_group_timeout_keeps_the_other_waiting_without_failing(tmp_path):
+    """DDP with dynamic sampling, a process group timeout of 10 s (what ``ddp_timeout`` sets), and one of process 1's
+    generations 30 s longer: process 0 waits for process 1 to take its batch through the process group's store, not in
+    the collective that agrees on the batch (where it failed with gloo's "Timed out waiting 10000ms"), and both train
+    every batch."""
+    reports = _launch(tmp_path, "ddp", False, free_port(), "--dynamic-sampling", "--slow-rank", "1")
+    for r in reports:
+        assert r["global_step"] == 4 and r["batches_consumed"] == 4 and r["micro_steps"] == 4
+        assert [len(a) for a in r["local_advantages"]] == [4] * 4
 
 
 def test_a_generation_failing_in_one_process_ends_both_naming_its_error(tmp_path):

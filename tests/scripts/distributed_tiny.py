@@ -2,7 +2,7 @@
 
 accelerate launch --config_file CONFIG tests/scripts/distributed_tiny.py OUT_DIR [--lora] [--reward-model] [--tools]
     [--dynamic-sampling]
-    [--in-flight] [--fail-rank R]
+    [--in-flight] [--fail-rank R] [--slow-rank R]
 
 ``--tools`` trains with an environment (a counter tool and an environment-owned reward) through a scripted
 ``generate`` that calls the tool on a third of the rows: the report then says which threads ran the tool calls and
@@ -13,6 +13,10 @@ report then holds the prompts this process drew, and how many generation batches
 ``--in-flight`` trains with ``in_flight_weight_updates=True`` and deterministic switch points (``helpers.Lockstep``,
 lag 1): the report then holds each batch's token versions and the versions the schedule says they must be.
 
+``--slow-rank R`` starts the process group with a timeout of ``SLOW_TIMEOUT`` seconds (what ``ddp_timeout`` sets, but
+transformers passes it on only off the CPU) and makes process R's second ``generate`` call take ``SLOW_GENERATION``
+seconds more, three times that timeout: the other process waits that long for R to take its batch.
+
 ``--fail-rank R``: process R's generation raises on its second batch, while the other process has its own second
 batch: each process's report then holds only the error its ``train()`` raised and the threads left, and the process
 exits with 1.
@@ -22,6 +26,7 @@ exits with 1.
 model and holds this process's rewards and advantages, for the test to recompute them globally.
 """
 
+import datetime
 import json
 import os
 import sys
@@ -35,6 +40,7 @@ from helpers import (  # noqa: E402
     fail_second_generation,
     generator_matches,
     logged,
+    slow_second_generation,
 )
 from tiny import (  # noqa: E402
     CALL,
@@ -53,6 +59,11 @@ from a3po_trl import trainer as trainer_module  # noqa: E402
 from a3po_trl import training_batch as training_batch_module  # noqa: E402
 from a3po_trl.distributed import teardown_registered  # noqa: E402
 
+#: ``--slow-rank``: the process group's timeout (``ddp_timeout``), and how much longer the slow process's generation
+#: takes once.
+SLOW_TIMEOUT = 10
+SLOW_GENERATION = 3 * SLOW_TIMEOUT
+
 
 def main():
     out_dir = sys.argv[1]
@@ -62,6 +73,7 @@ def main():
     dynamic_sampling = "--dynamic-sampling" in sys.argv
     in_flight = "--in-flight" in sys.argv
     fail_rank = int(sys.argv[sys.argv.index("--fail-rank") + 1]) if "--fail-rank" in sys.argv else None
+    slow_rank = int(sys.argv[sys.argv.index("--slow-rank") + 1]) if "--slow-rank" in sys.argv else None
     tokenizer = make_tool_tokenizer() if with_tools else make_tokenizer()
     peft_config = None
     if lora:
@@ -84,6 +96,10 @@ def main():
             return result
 
         training_batch_module.group_advantages = recording_group_advantages
+    if slow_rank is not None:  # before the config, whose device setup would start the group with the default timeout
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=SLOW_TIMEOUT))
     drawn = []
     if dynamic_sampling:  # a flat reward for every other prompt: the generator draws more to fill each batch
         reward_funcs = [_half_flat_reward(drawn)]
@@ -122,6 +138,8 @@ def main():
     trainer_module.make_training_batch = recording_make_training_batch
     if fail_rank is not None:
         return _fail_second_batch_in(trainer, fail_rank, out_dir)  # exits with 1
+    if slow_rank == trainer.accelerator.process_index:
+        slow_second_generation(trainer, SLOW_GENERATION)
     trainer.train()
     policy = trainer.last_batch_producer.backend
     policy.refresh()  # load the last published weights (version = final global_step)
