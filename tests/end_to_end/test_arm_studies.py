@@ -54,12 +54,18 @@ def test_dynamic_sampling_study_records_the_filter_and_pairs_the_arms(tmp_path, 
 
 @pytest.mark.slow
 def test_in_flight_study_records_the_loads_and_pairs_the_arms(tmp_path, tokenizer):
-    runs, summary, table = run_study("benchmarks.in_flight", tmp_path, tokenizer, "main-off,main-on")
-    assert set(runs) == {"main-off@1", "main-on@1"}
+    # the long setting: its quick completions (64 tokens) take longer to generate than a step takes to train, so the
+    # trainer publishes versions while a batch is generated
+    runs, summary, table = run_study("benchmarks.in_flight", tmp_path, tokenizer, "long-off,long-on")
+    assert set(runs) == {"long-off@1", "long-on@1"}
     for name, run in runs.items():
-        assert run["overrides"]["reproducible_generation"] is False and run["setting"] == "main"
-        assert run["overrides"]["in_flight_weight_updates"] is name.startswith("main-on")
+        assert run["overrides"]["reproducible_generation"] is False and run["setting"] == "long"
+        assert run["overrides"]["in_flight_weight_updates"] is name.startswith("long-on")
+        assert run["overrides"]["max_completion_length"] == 64
         assert all("async/in_flight_weight_loads" in entry for entry in run["training_log"])
-    assert all(entry["async/in_flight_weight_loads"] == 0 for entry in runs["main-off@1"]["training_log"])
-    assert {row["setting"] for row in summary["paired"]} == {"main"} and len(summary["paired"]) == 4
-    assert "| main-on@1 |" in table
+    assert all(entry["async/in_flight_weight_loads"] == 0 for entry in runs["long-off@1"]["training_log"])
+    loads_on = [entry["async/in_flight_weight_loads"] for entry in runs["long-on@1"]["training_log"]]
+    assert sum(loads_on) > 0, loads_on  # a version published mid-batch was loaded mid-batch
+    assert summary["runs"]["long-on"]["1"]["in_flight_loads_per_step"] == sum(loads_on) / len(loads_on)
+    assert {row["setting"] for row in summary["paired"]} == {"long"} and len(summary["paired"]) == 4
+    assert "| long-on@1 |" in table
