@@ -359,12 +359,15 @@ class Lockstep:
     The trainer takes batch ``j`` only once its generator has reached the third decode step (:data:`SWITCH_AFTER`) of
     batch ``j + lag``, where the generator, in a batch ``b >= lag``, waits until the trainer has published the version
     after the one it started with. So batch ``b`` samples its first 3 tokens with version ``b - lag`` and the rest
-    with ``b - lag + 1`` (counted from the run's first version), in every run, on every process.
+    with ``b - lag + 1`` (counted from the run's first version), in every run, on every process. The trainer also
+    takes batch ``j`` only once the generator has finished batch ``j + lag - 1``, the last one that must not see the
+    version training batch ``j`` publishes (for the last batches there is no batch ``j + lag`` to wait for).
     ``setattr_fn`` patches the trainer module's ``make_training_batch`` (``monkeypatch.setattr`` in a test)."""
 
     def __init__(self, trainer, setattr_fn, lag: int, num_batches: int):
         self.lag = lag
         self.started = [threading.Event() for _ in range(num_batches)]
+        self.finished = [threading.Event() for _ in range(num_batches)]
         self.start_versions: dict[int, int] = {}
         self.token_versions: dict[int, torch.Tensor] = {}
         self.scored_versions: dict[int, int] = {}
@@ -377,11 +380,13 @@ class Lockstep:
             self.hook_generator(backend)
             generate = backend.generate
 
-            def generate_batch(*args, **kwargs):  # one call per batch (single-turn, no chunks): the next batch
+            def generate_batch(*args, **kwargs):  # one call per batch (single-turn; chunks run inside it)
                 self._batch += 1
                 self._forwards = 0
                 self.start_versions[self._batch] = backend.version
-                return generate(*args, **kwargs)
+                generated = generate(*args, **kwargs)
+                self.finished[self._batch].set()
+                return generated
 
             backend.generate = generate_batch
             return backend
@@ -396,6 +401,9 @@ class Lockstep:
             following = scored.index + self.lag
             if following < len(self.started) and not self.started[following].wait(LOCKSTEP_TIMEOUT):
                 raise RuntimeError(f"the generator did not start batch {following}")
+            last_to_finish = following - 1  # before the version that training this batch publishes exists
+            if last_to_finish < len(self.finished) and not self.finished[last_to_finish].wait(LOCKSTEP_TIMEOUT):
+                raise RuntimeError(f"the generator did not finish batch {last_to_finish}")
             return make_training_batch(trainer, scored, *args)
 
         setattr_fn(a3po_trl.trainer, "make_training_batch", gated)
@@ -416,10 +424,18 @@ class Lockstep:
                     raise RuntimeError(f"version {target} was never published")
                 time.sleep(0.005)
 
-    def expected_versions(self, index: int) -> torch.Tensor:
-        """The version of each token of batch ``index`` (as padded: -1 past each completion's end)."""
+    def expected_versions(self, index: int, chunk_size: int | None = None) -> torch.Tensor:
+        """The version of each token of batch ``index`` (as padded: -1 past each completion's end), generated in
+        ``generate`` calls of ``chunk_size`` rows (``generation_batch_chunk_size``; ``None``: one call): the generator
+        switches after its third forward of the batch, in whichever call that is (a call runs one forward per token
+        of its longest completion), and the calls after it generate with the newer version only."""
         mask = self.masks[index]
         start = self.start_versions[index]
-        step = torch.arange(mask.size(1)).expand_as(mask)
-        switched = start + (step >= SWITCH_AFTER).long() if index >= self.lag else torch.full_like(step, start)
-        return torch.where(mask, switched, torch.full_like(step, -1))
+        lengths = mask.sum(dim=1)
+        chunk = chunk_size or mask.size(0)
+        earlier = torch.zeros_like(lengths)  # forwards of the batch before each row's call
+        for first in range(chunk, mask.size(0), chunk):
+            earlier[first:] += lengths[first - chunk : first].max()
+        forward = earlier.unsqueeze(1) + torch.arange(mask.size(1)).expand_as(mask)
+        switched = start + (forward >= SWITCH_AFTER).long() if index >= self.lag else torch.full_like(forward, start)
+        return torch.where(mask, switched, torch.full_like(forward, -1))

@@ -3,11 +3,7 @@ test_vllm_in_flight.py and tests/scripts/distributed_vllm.py (``--in-flight``): 
 engine steps, :class:`EngineLockstep` is :class:`helpers.Lockstep` with an engine step as the generator's forward,
 :func:`check_lockstep_reports` what a 4-step ``distributed_vllm.py --in-flight`` run reports on every process."""
 
-import threading
-
-from helpers import LOCKSTEP_TIMEOUT, Lockstep
-
-import a3po_trl.trainer
+from helpers import Lockstep
 
 
 class StepHook:
@@ -41,32 +37,12 @@ class StepHook:
 class EngineLockstep(Lockstep):
     """:class:`helpers.Lockstep` for the colocated engine: a batch's "forward" is an engine step, counted after it
     ran, so the generator waits for the next version after the third step and loads it before the fourth. The engine
-    steps fast: so that a batch switches once only, the trainer also takes batch ``j`` only once the generator has
-    finished batch ``j + 1`` (the version it publishes after batch ``j`` cannot reach batch ``j + 1`` mid-way)."""
-
-    def __init__(self, trainer, setattr_fn, lag: int, num_batches: int):
-        self.finished = [threading.Event() for _ in range(num_batches)]
-        super().__init__(trainer, setattr_fn, lag, num_batches)
-        gated = a3po_trl.trainer.make_training_batch
-
-        def after_the_next_batch(trainer, scored, *args):
-            following = scored.index + 1
-            if following < len(self.finished) and not self.finished[following].wait(LOCKSTEP_TIMEOUT):
-                raise RuntimeError(f"the generator did not finish batch {following}")
-            return gated(trainer, scored, *args)
-
-        setattr_fn(a3po_trl.trainer, "make_training_batch", after_the_next_batch)
+    steps fast, so that a batch switches once only rests on :class:`helpers.Lockstep`'s gate: the trainer takes batch
+    ``j`` only once the generator has finished batch ``j + lag - 1`` (with lag 2, ``j + 1``: the version it publishes
+    after batch ``j`` cannot reach batch ``j + 1`` mid-way)."""
 
     def hook_generator(self, backend) -> None:
         StepHook(backend, lambda step: self._generator_forward())
-        generate = backend.generate
-
-        def generate_and_tell(*args, **kwargs):
-            generated = generate(*args, **kwargs)
-            self.finished[self._batch].set()
-            return generated
-
-        backend.generate = generate_and_tell
 
 
 def check_lockstep_reports(reports) -> None:

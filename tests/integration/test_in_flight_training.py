@@ -1,11 +1,15 @@
 """In-flight weight updates through the trainer (``in_flight_weight_updates=True``, the ``generate`` backend): a
 version the trainer publishes while a batch is generated is taken at the next decode step, every token keeps its own
 version into the loss (its staleness, its A-3PO interpolation weight), the staleness bound holds per token, the
-metrics say how many versions the completions span, and it works with LoRA and across a checkpoint and resume.
+metrics say how many versions the completions span, and it works with LoRA, with chunked generation and across a
+checkpoint and resume.
 
 The switch points are made a function of the schedule, not of timing (``helpers.Lockstep``): batch ``b >= lag``
-samples its first 3 tokens with version ``b - lag`` and the rest with ``b - lag + 1``, in every run.
+samples its first 3 tokens with version ``b - lag`` and the rest with ``b - lag + 1``, in every run, the last batches
+too (with ``generation_batch_chunk_size``: the tokens of its first 3 forwards, in whichever ``generate`` calls).
 """
+
+import time
 
 import pytest
 import torch
@@ -15,6 +19,7 @@ from tiny import length_reward, make_model, make_prompts
 import a3po_trl.losses
 import a3po_trl.trainer
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
+from a3po_trl.patches import peft_base_model
 
 
 class LossRecorder:
@@ -39,6 +44,24 @@ class LossRecorder:
         monkeypatch.setattr(a3po_trl.losses, "approximate_proximal_logps", recorded_interpolation)
 
 
+def decode_slowly_after_the_switch(trainer, lockstep: Lockstep, batch: int, seconds: float = 0.2) -> None:
+    """Make every forward of the generator after the switch of batch ``batch`` take ``seconds`` longer: long enough
+    for the trainer to train a batch and publish a version meanwhile, unless the lockstep holds it back."""
+    build = trainer._build_backend
+
+    def build_slow():
+        backend = build()
+
+        def slow(module, args, kwargs):
+            if lockstep._batch == batch and lockstep._forwards > SWITCH_AFTER:
+                time.sleep(seconds)
+
+        peft_base_model(backend.module).register_forward_pre_hook(slow, with_kwargs=True)
+        return backend
+
+    trainer._build_backend = build_slow
+
+
 def _lora_trainer(tokenizer, tmp_path, **overrides):
     """The tiny model with a LoRA adapter (only the adapter is published and loaded mid-batch)."""
     from peft import LoraConfig
@@ -58,6 +81,9 @@ def test_tokens_span_two_versions_and_each_is_staled_by_its_own(tokenizer, tmp_p
     settings = dict(max_steps=4, max_staleness=2, in_flight_weight_updates=True, bf16=False)
     trainer = (_lora_trainer if lora else make_trainer)(tokenizer, tmp_path, **settings)
     lockstep = Lockstep(trainer, monkeypatch.setattr, lag=2, num_batches=4)
+    # the last batch has no batch after it for the trainer to wait for: it switches once only because the trainer
+    # takes batch 2 (whose training publishes version 3) once batch 3 is finished
+    decode_slowly_after_the_switch(trainer, lockstep, batch=3)
     loss = LossRecorder(monkeypatch)
     trainer.train()
     if lora:  # only the adapter is published, and loaded between decode steps
@@ -115,6 +141,34 @@ def test_in_flight_updates_continue_across_a_checkpoint_and_resume(tokenizer, tm
     assert torch.equal(lockstep.token_versions[1], lockstep.expected_versions(1))
     assert set(lockstep.token_versions[1][lockstep.masks[1]].tolist()) == {2, 3}
     assert logged(resumed, "async/in_flight_weight_loads")[-1] == 1.0
+
+
+def test_in_flight_updates_with_generation_chunks_carry_the_loaded_version_into_the_next_chunk(
+    tokenizer, tmp_path, monkeypatch
+):
+    """``generation_batch_chunk_size=2``: a batch of 4 is two ``generate`` calls. The version loaded during the first
+    call (after its third token) tags the rest of it and all of the second, which generates with it from its first
+    token: only the first call's tokens after the switch are sampled over an older KV cache."""
+    settings = dict(max_staleness=1, in_flight_weight_updates=True, bf16=False, generation_batch_chunk_size=2)
+    trainer = make_trainer(tokenizer, tmp_path, max_steps=4, **settings)
+    lockstep = Lockstep(trainer, monkeypatch.setattr, lag=1, num_batches=4)
+    trainer.train()
+
+    assert lockstep.start_versions == {0: 0, 1: 0, 2: 1, 3: 2}
+    for index in range(4):
+        assert torch.equal(lockstep.token_versions[index], lockstep.expected_versions(index, chunk_size=2)), index
+    for index in (1, 2, 3):  # the first call reaches the switch (its longest completion is 8 tokens)
+        versions, mask, start = lockstep.token_versions[index], lockstep.masks[index], lockstep.start_versions[index]
+        assert mask[:2].sum(dim=1).max() > SWITCH_AFTER
+        assert set(versions[:2][mask[:2]].tolist()) == {start, start + 1}
+        assert set(versions[2:][mask[2:]].tolist()) == {start + 1}
+    assert logged(trainer, "async/in_flight_weight_loads") == [0.0, 1.0, 1.0, 1.0]
+    # trained at version b, the tokens after the switch of batch b are on-policy (staleness 0): measured apart from
+    # the generator's numerics (fp32 on CPU: the second call's tokens), by the gap of the older cache they came from
+    after_switch = logged(trainer, "a3po/behavior_mismatch_after_switch_max")
+    mismatch = logged(trainer, "a3po/behavior_mismatch_max")
+    assert len(after_switch) == 3 and len(mismatch) == 4  # batch 0 has no switch
+    assert max(mismatch) < 1e-4 and min(after_switch) > 100 * max(mismatch)
 
 
 def test_a_generation_config_without_one_forward_per_token_is_refused(tokenizer, tmp_path):

@@ -249,8 +249,8 @@ class ServerLockstep(EngineLockstep):
     as its third forward (the trainer may go on) and, in a batch ``b >= lag``, waits for the next version, which the
     backend then loads before the server resumes. So batch ``b >= lag`` samples the tokens streamed before the pause
     with version ``b - lag`` and the rest with ``b - lag + 1``. So that a batch switches once only, the trainer also
-    takes batch ``j`` only once the generator has finished batch ``j + 1`` (as :class:`EngineLockstep`, whose gate
-    this keeps; the hook on the generator is the server's)."""
+    takes batch ``j`` only once the generator has finished batch ``j + 1`` (:class:`helpers.Lockstep`'s gate, at lag
+    2; the hook on the generator is the server's)."""
 
     def __init__(self, trainer, setattr_fn, lag, num_batches, url):
         self.pause = PauseWhenEveryCompletionStarted(url, setattr_fn)
@@ -272,13 +272,12 @@ class ServerLockstep(EngineLockstep):
         backend._in_flight.maybe_load = gated
         generate = backend.generate
 
-        def generate_and_tell(*args, **kwargs):
+        def generate_and_check(*args, **kwargs):
             generated = generate(*args, **kwargs)
             self.pause.check_taken(self.pause.batches[-1])
-            self.finished[self._batch].set()
             return generated
 
-        backend.generate = generate_and_tell
+        backend.generate = generate_and_check
 
 
 def test_training_against_the_server_with_in_flight_loads_tags_every_token_and_logs_the_metrics(
