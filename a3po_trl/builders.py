@@ -292,6 +292,26 @@ class RunPlan:
     micro_steps_per_batch: int
     """``steps_per_generation * num_iterations``: the micro-steps that train on one generation batch."""
 
+    def micro_step(self, run_step: int, global_step: int, warned: bool) -> tuple[MicroStep, bool]:
+        """The run's micro-step ``run_step`` (counted from the run's start), and whether the schedule's warning has
+        been given: once, where the loop's optimizer step is not the one the plan predicts (the staleness bound may
+        then not hold). Raises where the loop runs past the plan."""
+        if run_step >= len(self.micro_steps):
+            raise RuntimeError(
+                f"The training loop ran more micro-steps ({run_step + 1}) than its shape predicts "
+                f"({len(self.micro_steps)}); the generation batches of this run are used up."
+            )
+        step = self.micro_steps[run_step]
+        if step.version != global_step and not warned:
+            logger.warning(
+                "The training loop is at optimizer step %d where its shape predicts %d; the staleness bound may not "
+                "hold for this run (the generator never waits for weights the trainer cannot publish).",
+                global_step,
+                step.version,
+            )
+            warned = True
+        return step, warned
+
 
 def plan_run(trainer) -> RunPlan:
     """The micro-steps and generation batches of the run starting now, following the loop transformers runs

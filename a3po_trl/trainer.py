@@ -38,24 +38,21 @@ from .builders import (
     build_backend,
     build_batch_producer,
     plan_run,
-    prompt_draws_to_keep,
     uses_fsdp2,
-    weight_gather,
 )
 from .checkpoints import resolve_resume_checkpoint, save_checkpoint_atomically
-from .checkpoints.batch_order import load_batch_order, permute_rows, save_batch_order
-from .checkpoints.recomputed_anchor import restore_recomputed_anchor, save_recomputed_anchor
+from .checkpoints.batch_order import order_rows
+from .checkpoints.recomputed_anchor import restore_recomputed_anchor
+from .checkpoints.run_state import save_fsdp2_model, save_run_state
+from .checkpoints.saves import resumed_a_complete_run
 from .config import AsyncA3POConfig, trainer_config
 from .distributed import ArrivalGate, destroy_process_group_at_exit, take_together
 from .generation import BatchProducer, GenerationBackend
-from .generation.weights.gather import whole_state_dict
-from .generation.weights.names import ACTIVATION_CHECKPOINT_PREFIX, strip_checkpoint_wrapper_from_files
-from .generation.weights.version_checkpoint import save_kept_versions
+from .generation.producer import refuse_a_second_generation_thread
 from .losses import DecoupledLossMixin
 from .metrics.deferred import resolve_metrics
 from .patches import align_position_ids_with_generation
 from .proximal_guard import ProximalGuard
-from .rollout.prompt_draws import save_prompt_draws
 from .rollout.rollout_func import generate_completions
 from .timeline import TRAINING_LANE, TimelineRecorder, TraceWriter, TrainingStepTimeline
 from .training_batch import make_training_batch
@@ -198,17 +195,10 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         epochs_trained, steps_trained = super()._init_training_state(
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
         )
-        if resume_from_checkpoint is not None and self.state.global_step >= max_steps:
-            # A finished run started again (a requeued job): transformers' loop would train one more step past
-            # max_steps (its stop check follows each step). Past the last epoch, the loop runs no epoch at all.
-            logger.warning(
-                "Resuming from %s, at optimizer step %d of max_steps=%d: the run is complete. Nothing is trained and "
-                "no checkpoint is written; raise max_steps (or num_train_epochs) to train further.",
-                resume_from_checkpoint,
-                self.state.global_step,
-                max_steps,
-            )
-            self._resumed_a_complete_run = True
+        self._resumed_a_complete_run = resumed_a_complete_run(
+            resume_from_checkpoint, self.state.global_step, max_steps
+        )
+        if self._resumed_a_complete_run:  # past the last epoch, the loop runs no epoch at all
             return num_train_epochs, 0
         return epochs_trained, steps_trained
 
@@ -217,18 +207,8 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         producer = self.last_batch_producer
         return producer is not None and producer.thread is not None and producer.thread.is_alive()
 
-    def _refuse_a_second_generation_thread(self, alive_somewhere: bool) -> None:
-        if alive_somewhere:
-            raise RuntimeError(
-                "The generation thread of an earlier train() call on this trainer is still running (it did not stop "
-                f"within generation_stop_timeout={self.args.generation_stop_timeout} s: stuck in a reward function, "
-                "a tool or generate) and shares this trainer's generation backend, so this trainer cannot train "
-                "again in this process. Restart the process and resume with resume_from_checkpoint=True, or find "
-                "what blocks the thread (its stack: faulthandler.dump_traceback())."
-            )
-
     def _start_producer(self):
-        self._refuse_a_second_generation_thread(self._generation_thread_left_behind())
+        refuse_a_second_generation_thread(self._generation_thread_left_behind(), self.args.generation_stop_timeout)
         if self._backend is None:
             self._backend = self._build_backend()
             weakref.finalize(self, self._backend.close)  # an engine or a server's adapters outlive train() calls
@@ -259,44 +239,20 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
     def _save_checkpoint(self, model, trial):
         def write():
             super(AsyncA3POTrainer, self)._save_checkpoint(model, trial)
-            directory = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-            if self._batch_order is not None:  # every process: the order of its rows of the batch it is in
-                save_batch_order(directory, self.accelerator.process_index, self._batch_order)
-                save_recomputed_anchor(self, directory)  # and, where the checkpoint falls inside it, its anchor
-            if self.args.reproducible_generation and self._backend is not None and self.args.should_save:
-                save_kept_versions(self._backend, directory, self.state.global_step, self.args.max_staleness)
-            if self.proximal_guard is not None:  # every process: the anchor in use, the check in progress
-                self.proximal_guard.save(directory, self.accelerator.process_index)
-            if self.args.dynamic_sampling and self._producer is not None:  # every process: where its prompts stand
-                os.makedirs(directory, exist_ok=True)
-                accelerator = self.accelerator
-                draws = prompt_draws_to_keep(self)
-                save_prompt_draws(directory, accelerator.process_index, accelerator.num_processes, draws)
+            save_run_state(
+                self, os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            )
 
         with self.timeline.span(TRAINING_LANE, "save checkpoint", step=self.state.global_step):
             save_checkpoint_atomically(self, trial, write)
         self._write_trace()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """As Trainer's, and under FSDP2 (whatever the plugin's ``state_dict_type``) a normal model or PEFT adapter
-        built from every process's shards: the whole tensors are gathered on every process together (called on all
-        of them, as Trainer's own is), written by the main process. Under PEFT only the adapters' tensors (every
-        adapter's, e.g. TRL's frozen ``ref`` copy too) and whatever else is trainable are gathered."""
+        """As Trainer's, and under FSDP2 whole weights (or a PEFT adapter) gathered from every process's shards
+        (:func:`~a3po_trl.checkpoints.run_state.save_fsdp2_model`)."""
         if not uses_fsdp2(self):
             return super().save_model(output_dir, _internal_call)
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        model = self._unwrapped_model()
-        if hasattr(model, "peft_config"):
-            adapters = set(model.peft_config)
-            wanted = [(n, p) for n, p in model.named_parameters() if p.requires_grad or adapters & set(n.split("."))]
-            state_dict = whole_state_dict(weight_gather(self), wanted)
-        else:
-            state_dict = self.accelerator.get_state_dict(self.model)  # full, on the main process, in CPU memory
-        self._save(output_dir, state_dict=state_dict)
-        if self.args.should_save and any(ACTIVATION_CHECKPOINT_PREFIX in name for name in state_dict):
-            # PEFT picks the adapter's entries by the model's own (wrapped) module names, and writes them so: the
-            # files must name them as the model without activation-checkpointing wrappers does, to load anywhere
-            strip_checkpoint_wrapper_from_files(output_dir)
+        save_fsdp2_model(self, output_dir if output_dir is not None else self.args.output_dir)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
@@ -348,7 +304,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             alive = self._generation_thread_left_behind()
             if self.accelerator.num_processes > 1:  # every process refuses together
                 alive = any(gather_object([alive]))
-            self._refuse_a_second_generation_thread(alive)
+            refuse_a_second_generation_thread(alive, self.args.generation_stop_timeout)
             resume = resolve_resume_checkpoint(self, kwargs.get("resume_from_checkpoint", args[0] if args else None))
         except BaseException:
             torch.set_num_threads(previous_threads)
@@ -390,22 +346,8 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             return super()._prepare_inputs(generation_batch)
         if self._producer is None:
             self._start_producer()
-        run_step = self._step - self._run_start_step
-        micro_steps = self._plan.micro_steps
-        if run_step >= len(micro_steps):
-            raise RuntimeError(
-                f"The training loop ran more micro-steps ({run_step + 1}) than its shape predicts "
-                f"({len(micro_steps)}); the generation batches of this run are used up."
-            )
-        micro_step = micro_steps[run_step]
-        if micro_step.version != self.state.global_step and not self._schedule_warned:
-            self._schedule_warned = True
-            logger.warning(
-                "The training loop is at optimizer step %d where its shape predicts %d; the staleness bound may not "
-                "hold for this run (the generator never waits for weights the trainer cannot publish).",
-                self.state.global_step,
-                micro_step.version,
-            )
+        run_step, step = self._step - self._run_start_step, self.state.global_step
+        micro_step, self._schedule_warned = self._plan.micro_step(run_step, step, self._schedule_warned)
         position = micro_step.position % self._plan.micro_steps_per_batch
         if position == 0 or self._buffered_inputs is None:
             with self.timeline.span(TRAINING_LANE, "take batch") as span_args:
@@ -414,7 +356,8 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
                 planned = self._plan.batches[scored.index]
                 batch = make_training_batch(self, scored, waited, planned, self._weight_sync_seconds)
                 self._weight_sync_seconds = 0.0
-                batch = self._order_rows(batch, planned)
+                process, checkpoint = self.accelerator.process_index, self._resume_checkpoint
+                batch, self._batch_order = order_rows(batch, planned, process, checkpoint)
                 span_args.update(self._step_timeline.batch)
             self._buffered_inputs = split_tensor_dict(batch, self.args.steps_per_generation)
             restore_recomputed_anchor(self, planned, self._buffered_inputs)  # resumed inside it: the kept anchor
@@ -428,30 +371,3 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         return take_together(
             self.accelerator, self._batch_gate, self._producer.get, "Taking the next generation batch"
         )
-
-    def _order_rows(self, batch: dict, planned) -> dict:
-        """Shuffle the rows of a new generation batch as GRPOTrainer does; the first batch of a run resumed inside
-        it takes the order the checkpoint kept (see :mod:`a3po_trl.checkpoints.batch_order`)."""
-        rows = len(next(value for value in batch.values() if value is not None))
-        permutation = None
-        if planned.first_offset > 0:
-            process = self.accelerator.process_index
-            checkpoint = self._resume_checkpoint
-            permutation = load_batch_order(checkpoint, process, planned.epoch, planned.index_in_epoch, rows)
-            if permutation is None:
-                logger.warning(
-                    "Resuming inside generation batch %d of epoch %d, but %s holds no order for its rows (written "
-                    "by another trainer or an older version): the rest of the batch is drawn anew, so some of its "
-                    "rows may be trained twice and others not at all.",
-                    planned.index_in_epoch,
-                    planned.epoch,
-                    checkpoint,
-                )
-        if permutation is None:
-            permutation = torch.randperm(rows)  # GRPOTrainer's shuffle_sequence_dict draws this
-        self._batch_order = {
-            "epoch": planned.epoch,
-            "index_in_epoch": planned.index_in_epoch,
-            "permutation": permutation.tolist(),
-        }
-        return permute_rows(batch, permutation)

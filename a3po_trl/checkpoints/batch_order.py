@@ -13,10 +13,13 @@ stream off the uninterrupted run's. So every process writes the order of the bat
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Sequence
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 FILE_PREFIX = "a3po_batch_order_"
 
@@ -63,3 +66,26 @@ def permute_rows(batch: dict[str, Sequence | None], permutation: torch.Tensor) -
         return [value[i] for i in permutation]
 
     return {key: permute(value) for key, value in batch.items()}
+
+
+def order_rows(batch: dict, planned, process_index: int, checkpoint: str | None) -> tuple[dict, dict]:
+    """Shuffle the rows of a new generation batch as GRPOTrainer does (``torch.randperm``, from the global random
+    stream); the first batch of a run resumed inside it (``planned.first_offset > 0``) takes the order ``checkpoint``
+    kept instead. Returns the ordered batch and the order to keep with the next checkpoint."""
+    rows = len(next(value for value in batch.values() if value is not None))
+    permutation = None
+    if planned.first_offset > 0:
+        permutation = load_batch_order(checkpoint, process_index, planned.epoch, planned.index_in_epoch, rows)
+        if permutation is None:
+            logger.warning(
+                "Resuming inside generation batch %d of epoch %d, but %s holds no order for its rows (written by "
+                "another trainer or an older version): the rest of the batch is drawn anew, so some of its rows may "
+                "be trained twice and others not at all.",
+                planned.index_in_epoch,
+                planned.epoch,
+                checkpoint,
+            )
+    if permutation is None:
+        permutation = torch.randperm(rows)  # GRPOTrainer's shuffle_sequence_dict draws this
+    order = {"epoch": planned.epoch, "index_in_epoch": planned.index_in_epoch, "permutation": permutation.tolist()}
+    return permute_rows(batch, permutation), order

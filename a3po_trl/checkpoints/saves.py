@@ -359,3 +359,19 @@ def resolve_resume_checkpoint(trainer, requested):
             raise ValueError(problem)
         return path
     return requested
+
+
+def resumed_a_complete_run(checkpoint, global_step: int, max_steps: int) -> bool:
+    """Whether a run resumed from ``checkpoint`` is already at (or past) ``max_steps``: a finished run started again
+    (a requeued job), which transformers' loop would train one more step (its stop check follows each step). Says so
+    once, with the fix."""
+    if checkpoint is None or global_step < max_steps:
+        return False
+    logger.warning(
+        "Resuming from %s, at optimizer step %d of max_steps=%d: the run is complete. Nothing is trained and no "
+        "checkpoint is written; raise max_steps (or num_train_epochs) to train further.",
+        checkpoint,
+        global_step,
+        max_steps,
+    )
+    return True

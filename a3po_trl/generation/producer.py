@@ -362,3 +362,16 @@ class BatchProducer:
                 error.add_note("(raised in the a3po-trl generation thread)")
             self._error_after_stop = self.stop_event.is_set()
             self._error = error
+
+
+def refuse_a_second_generation_thread(alive_somewhere: bool, stop_timeout: float) -> None:
+    """Refuse to start a generation thread while the one of an earlier ``train()`` call on the same trainer is still
+    running (on any process: ``alive_somewhere``): it shares the trainer's generation backend."""
+    if alive_somewhere:
+        raise RuntimeError(
+            "The generation thread of an earlier train() call on this trainer is still running (it did not stop "
+            f"within generation_stop_timeout={stop_timeout} s: stuck in a reward function, a tool or generate) and "
+            "shares this trainer's generation backend, so this trainer cannot train again in this process. Restart "
+            "the process and resume with resume_from_checkpoint=True, or find what blocks the thread (its stack: "
+            "faulthandler.dump_traceback())."
+        )

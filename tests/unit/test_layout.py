@@ -36,10 +36,11 @@ LAYERS = {
     "a3po_trl.checkpoints": 8,  # complete folders, atomic saves, the resume decision; reads trainer internals
     "a3po_trl.builders": 8,  # the one module that reads trainer internals to build what the thread needs
     "a3po_trl.training_batch": 8,  # the main thread's half of the batch path: a scored batch becomes a training batch
-    "a3po_trl.trainer": 9,
-    "a3po_trl.__init__": 10,
-    "a3po_trl.cli": 10,  # the `a3po-trl grpo` command: TRL's script arguments, the trainer
-    "a3po_trl.tasks": 11,
+    "a3po_trl.checkpoints.run_state": 9,  # what a checkpoint keeps of the run beyond Trainer's (reads the builders')
+    "a3po_trl.trainer": 10,
+    "a3po_trl.__init__": 11,
+    "a3po_trl.cli": 11,  # the `a3po-trl grpo` command: TRL's script arguments, the trainer
+    "a3po_trl.tasks": 12,
 }
 
 
