@@ -34,6 +34,25 @@ def test_synchronous_mode_is_on_policy(tokenizer, tmp_path):
     assert logged(trainer, "a3po/importance_weight_max") == [1.0] * 4
 
 
+#: prefixes of the metrics of features a default run leaves off (in-flight weight loads, versions per completion,
+#: dynamic sampling, tools): logged only when the feature is on
+FEATURE_METRICS = (
+    "async/in_flight_",
+    "a3po/multi_version_trajectories_frac",
+    "a3po/completion_versions_",
+    "a3po/dynamic_sampling_",
+    "tools/",
+)
+
+
+def test_a_default_run_logs_no_metrics_of_features_that_are_off(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, max_steps=2)
+    trainer.train()
+    keys = set().union(*(entry for entry in trainer.state.log_history if "reward" in entry))
+    assert {"reward", "async/generation_time", "async/weight_load_time", "a3po/staleness_mean"} <= keys
+    assert sorted(key for key in keys if key.startswith(FEATURE_METRICS)) == []
+
+
 def test_steps_spanning_a_generation_batch_respect_the_bound(tokenizer, tmp_path):
     # steps_per_generation=2 with gradient_accumulation_steps=1: one batch trains over 2 optimizer steps.
     with pytest.raises(ValueError, match="max_staleness"):
