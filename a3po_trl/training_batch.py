@@ -30,7 +30,13 @@ from trl.trainer.utils import use_adapter
 from .builders import deferred_reward_columns
 from .functional import group_advantages
 from .generation.schedule import PlannedBatch
-from .metrics.batch import batch_metrics, dynamic_sampling_metrics, tool_metrics, version_metrics
+from .metrics.batch import (
+    batch_metrics,
+    completions_can_span_versions,
+    dynamic_sampling_metrics,
+    tool_metrics,
+    version_metrics,
+)
 from .rollout.scoring import score_with_reward_model, warn_about_unscorable_rows
 from .timeline import TRAINING_LANE
 from .types import ScoredBatch
@@ -53,7 +59,9 @@ def make_training_batch(
     loss_mask = data["completion_mask"] * data["tool_mask"] if "tool_mask" in data else data["completion_mask"]
     data["num_items_in_batch"] = count_loss_tokens(trainer, loss_mask)
     agent_values = tool_metrics(trainer.accelerator, scored.tool_stats, completion_lengths)
-    agent_values.update(version_metrics(trainer.accelerator, data["token_versions"]))
+    multi_turn = bool(trainer.tools) or getattr(trainer, "environment_factories", None) is not None
+    if completions_can_span_versions(trainer.args, multi_turn):
+        agent_values.update(version_metrics(trainer.accelerator, data["token_versions"]))
     if scored.environments is not None:
         trainer.environments = scored.environments  # GRPOTrainer's attribute: the latest batch's environments
 
@@ -161,6 +169,7 @@ def log_batch(
         queue_depth=len(trainer._producer.queue),
         reward_weights=trainer.reward_weights,
         reward_func_names=trainer.reward_func_names,
+        in_flight=trainer.args.in_flight_weight_updates,
     )
     trainer.state.num_input_tokens_seen += tokens_seen
     metrics = trainer._metrics["train"]

@@ -16,7 +16,8 @@ state), so a Ctrl-C or a SIGTERM during the write leaves a folder with the final
   under ``tmp-checkpoint-*`` is deleted by the next save.
 - :func:`resolve_resume_checkpoint` resolves ``resume_from_checkpoint=True`` to the newest complete checkpoint, warning
   for each newer incomplete one it skips, and raises, naming every candidate and why it was skipped, when none is
-  complete.
+  complete; ``resume_from_checkpoint="auto"`` (a job a scheduler may requeue) resolves the same way but starts from
+  the beginning when none is complete.
 
 Every step that can fail on one process (a file that vanishes, a full disk, a failed rename) is caught there and
 shared with the others, so all processes raise together instead of some waiting forever in a collective.
@@ -294,16 +295,17 @@ def save_checkpoint_atomically(trainer, trial, write: Callable[[], None]) -> str
 
 
 # ---- resuming -----------------------------------------------------------------------------------------------------
-def _resume_decision(output_dir: str) -> tuple[str | None, list[str]]:
-    """What ``resume_from_checkpoint=True`` means in ``output_dir``: ``(checkpoint, warnings)``, or ``(None, [why
-    there is none])``. Finishes saves that were written whole but interrupted before their rename first."""
+def _resume_decision(output_dir: str, setting: str) -> tuple[str | None, list[str]]:
+    """What ``resume_from_checkpoint=True`` (or ``"auto"``: ``setting`` as the messages write it) means in
+    ``output_dir``: ``(checkpoint, warnings)``, or ``(None, [why there is none])``. Finishes saves that were written
+    whole but interrupted before their rename first."""
     for action in finish_interrupted_saves(output_dir, delete_the_rest=False):
-        logger.warning("resume_from_checkpoint=True %s.", action)
+        logger.warning("resume_from_checkpoint=%s %s.", setting, action)
     chosen, skipped = newest_complete_checkpoint(output_dir)
     reasons = [f"{os.path.basename(folder)} is incomplete ({'; '.join(problems)})" for folder, problems in skipped]
     if chosen is not None:
         warnings = [
-            f"resume_from_checkpoint=True skips {output_dir}/{reason}, probably from an interrupted save."
+            f"resume_from_checkpoint={setting} skips {output_dir}/{reason}, probably from an interrupted save."
             for reason in reasons
         ]
         if skipped:
@@ -312,9 +314,7 @@ def _resume_decision(output_dir: str) -> tuple[str | None, list[str]]:
     reasons += [f"{name} is an interrupted save (never written whole)" for name in _leftovers(output_dir)]
     found = "; ".join(reasons) if reasons else "it holds no checkpoint-N folder"
     return None, [
-        f"No valid checkpoint found in output directory ({output_dir}) for resume_from_checkpoint=True: {found}. "
-        "Resume from a complete checkpoint's path, or start from the beginning without resume_from_checkpoint (the "
-        "next save deletes interrupted saves)."
+        f"No valid checkpoint found in output directory ({output_dir}) for resume_from_checkpoint={setting}: {found}."
     ]
 
 
@@ -337,20 +337,30 @@ def resolve_resume_checkpoint(trainer, requested):
     """``train()``'s ``resume_from_checkpoint`` as it should reach transformers.
 
     ``True`` becomes the newest complete checkpoint of ``output_dir``, with a warning naming each newer, incomplete
-    one it skips; when none is complete it raises, naming every candidate and why it was skipped. A path (``str`` or
+    one it skips; when none is complete it raises, naming every candidate and why it was skipped. ``"auto"`` (for a
+    job a scheduler may requeue: the same command starts the run, then resumes it) becomes the same checkpoint, or
+    ``None`` when none is complete: the run starts from the beginning, saying why. A path (``str`` or
     ``os.PathLike``) becomes a ``str``, refused with its problems and the fix if it is incomplete. The main process
     decides, once, and tells the others: every process resumes from the same checkpoint, or raises, together.
     """
     accelerator = trainer.accelerator
-    if isinstance(requested, bool) and requested:
+    auto = isinstance(requested, str) and requested == "auto"
+    if (isinstance(requested, bool) and requested) or auto:
+        setting = "'auto'" if auto else "True"
         chosen, messages = _decide_on_main(
-            accelerator, lambda: _resume_decision(trainer.args.output_dir), "Choosing the checkpoint to resume from"
+            accelerator,
+            lambda: _resume_decision(trainer.args.output_dir, setting),
+            "Choosing the checkpoint to resume from",
         )
-        if chosen is None:
-            raise ValueError(messages[0])
+        if chosen is None and not auto:
+            raise ValueError(
+                f"{messages[0]} Resume from a complete checkpoint's path, start from the beginning without "
+                "resume_from_checkpoint (the next save deletes interrupted saves), or pass "
+                "resume_from_checkpoint='auto', which starts from the beginning when there is no complete checkpoint."
+            )
         if accelerator.is_main_process:
             for message in messages:
-                logger.warning(message)
+                logger.warning(message if chosen is not None else f"{message} Starting from the beginning.")
         return chosen
     if isinstance(requested, (str, os.PathLike)):
         path = os.fspath(requested)

@@ -36,14 +36,49 @@ class Inputs:
     eval_dataset: Any
 
 
+def check_model_name_or_path(name: str) -> None:
+    """Refuse a ``--model_name_or_path`` that is neither a local folder nor a Hub id, before anything launches.
+
+    An existing folder passes. A name that looks like a path (starting with ``/``, ``./``, ``../`` or ``~``, with more
+    than the one ``/`` of ``org/name``, or naming a file) is refused when it is no folder. Anything else must have the
+    form of a Hub id (``name`` or ``org/name``), checked offline (``huggingface_hub``'s ``validate_repo_id``): whether
+    the Hub, or its local cache, holds it is found out when the model loads."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):
+        return
+    refused = f"--model_name_or_path {name}: no such model directory or Hub id"
+    fix = "Pass a folder written by save_pretrained, or a Hub id such as Qwen/Qwen2.5-0.5B-Instruct."
+    separators = [sep for sep in (os.sep, os.altsep) if sep and sep != "/"]
+    looks_like_a_path = (
+        name.startswith(("/", "~", "./", "../"))
+        or name in (".", "..")
+        or name.count("/") > 1
+        or any(sep in name for sep in separators)
+        or os.path.exists(path)
+    )
+    if looks_like_a_path:
+        found = "a file, not a folder" if os.path.exists(path) else f"no such folder (from {os.getcwd()})"
+        raise CommandLineError(f"{refused}: {found}. {fix}")
+    try:
+        validate_repo_id(name)
+    except HFValidationError as error:
+        raise CommandLineError(
+            f"{refused}: no folder of that name in {os.getcwd()}, and not a valid Hub id ({error}). {fix}"
+        ) from None
+
+
 def prepare(command_line: CommandLine) -> Inputs:
-    """Resolve the rewards and load the dataset, refusing what cannot train (no model, a reward name that resolves to
-    nothing, no dataset, a missing split or ``prompt`` column) with the flag and the fix; loads no model."""
+    """Resolve the rewards and load the dataset, refusing what cannot train (no model, a model that is neither a
+    folder nor a Hub id, a reward name that resolves to nothing, no dataset, a missing split or ``prompt`` column) with
+    the flag and the fix; loads no model."""
     if not command_line.model_args.model_name_or_path:
         raise CommandLineError(
             "No model: pass --model_name_or_path (a Hub id such as Qwen/Qwen2.5-0.5B-Instruct, or a local folder "
             "written by save_pretrained), on the command line or in the --config file."
         )
+    check_model_name_or_path(command_line.model_args.model_name_or_path)
     script_args = command_line.script_args
     reward_funcs = resolve_rewards(script_args.reward_model_name_or_path, script_args.reward_funcs)
     say(f"rewards: {', '.join(getattr(r, '__name__', str(r)) for r in reward_funcs)}")

@@ -24,12 +24,15 @@ def batch_metrics(
     queue_depth: int,
     reward_weights: torch.Tensor,
     reward_func_names: list[str],
+    in_flight: bool,
 ) -> tuple[dict[str, float], int]:
     """GRPOTrainer's metrics of one generation batch plus the generator's timings.
 
     ``completion_lengths``, ``prompt_lengths`` and ``is_truncated`` are this process's ``(B,)`` tensors;
-    ``rewards_per_func`` ``(B_total, F)`` and ``is_std_zero`` ``(B_total,)`` are already gathered. Returns
-    ``(metrics, tokens_seen)``: the prompt and completion tokens of the batch over all processes.
+    ``rewards_per_func`` ``(B_total, F)`` and ``is_std_zero`` ``(B_total,)`` are already gathered; ``in_flight``:
+    whether versions are loaded between decode steps (``in_flight_weight_updates``), the only runs that log
+    ``async/in_flight_weight_load_time`` and ``async/in_flight_weight_loads``. Returns ``(metrics, tokens_seen)``:
+    the prompt and completion tokens of the batch over all processes.
     """
     values: dict[str, float] = {}
     lengths = accelerator.gather(completion_lengths).float()
@@ -85,10 +88,24 @@ def batch_metrics(
         "async/generator_version",
     )
     values.update(zip(names, mean))
+    if not in_flight:  # no loads between decode steps: both would read 0 at every step
+        del values["async/in_flight_weight_load_time"], values["async/in_flight_weight_loads"]
     if mean[0] > 0:
         # completion tokens of all processes over the (mean) time one process took to generate its share
         values["async/completion_tokens_per_second"] = lengths.sum().item() / mean[0]
     return values, int((prompt_tokens + lengths.sum()).item())
+
+
+def completions_can_span_versions(args, multi_turn: bool) -> bool:
+    """Whether the tokens of one completion can come from more than one weight version, so that
+    :func:`version_metrics` is logged: with ``in_flight_weight_updates`` (a version loaded between decode steps), or
+    in multi-turn rollouts (``multi_turn``: ``tools`` or ``environment_factory``) that load the newest weights between
+    turns (``refresh_weights_between_turns``, which ``reproducible_generation`` turns off). Otherwise one version
+    generates every token of a completion (a ``rollout_func``'s too: the backend keeps the batch's version through
+    the call) and the metrics would read 0 and 1 at every step."""
+    if args.in_flight_weight_updates:
+        return True
+    return multi_turn and args.refresh_weights_between_turns and not args.reproducible_generation
 
 
 def version_metrics(accelerator, versions: torch.Tensor) -> dict[str, float]:

@@ -1,4 +1,5 @@
-"""Training curves of an A-3PO run: reward, held-out accuracy, staleness and step time, as one PNG.
+"""Training curves of an A-3PO run: reward, held-out accuracy (when the run was evaluated), staleness and step time,
+as one PNG.
 
 matplotlib is imported only when a plot is drawn, and the figure is rendered by the Agg canvas directly (pyplot's
 global backend is left alone, so this also works inside notebooks); the package does not need matplotlib to import.
@@ -82,6 +83,9 @@ def plot_training(
 ) -> Path:
     """Draw reward, held-out accuracy, staleness (mean and max) and step time over training steps into a PNG.
 
+    The held-out accuracy panel is drawn only when there is an accuracy to show (``eval_points``, or evaluation
+    records in the log); without one the figure has the three training panels in a row.
+
     Args:
         log_history_or_jsonl_path: ``trainer.state.log_history`` (a list of dicts), or the path of a JSONL file
             with one record per line (training logs with ``step``; evaluation records with ``step`` and
@@ -92,23 +96,36 @@ def plot_training(
         title: Figure title.
 
     Returns:
-        The path of the PNG. A panel with no data says so instead of failing.
+        The path of the PNG. A training panel with no data says so instead of failing.
     """
+    fig = _training_figure(load_metrics(log_history_or_jsonl_path), eval_points, title)
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    return out
+
+
+def _training_figure(records: Sequence[Mapping[str, Any]], eval_points, title: str | None):
+    """The figure :func:`plot_training` saves: 2 x 2 panels with a held-out accuracy, else 3 in a row."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    records = load_metrics(log_history_or_jsonl_path)
     train = [r for r in records if "accuracy" not in r]
-    fig = Figure(figsize=(11, 7.5))
+    points = _eval_points(records, eval_points)
+    if points:
+        fig = Figure(figsize=(11, 7.5))
+        axes = fig.subplots(2, 2)
+        (ax_reward, ax_acc), (ax_stale, ax_time) = axes
+    else:  # a run without an evaluation: no held-out panel
+        fig = Figure(figsize=(15, 4.2))
+        axes = fig.subplots(1, 3)
+        ax_reward, ax_stale, ax_time = axes
     FigureCanvasAgg(fig)  # the Agg canvas, without touching pyplot's global backend (safe inside notebooks)
-    axes = fig.subplots(2, 2)
-    (ax_reward, ax_acc), (ax_stale, ax_time) = axes
 
     reward_key = next((k for k in REWARD_KEYS if _series(train, k)[0]), REWARD_KEYS[0])
     _line(ax_reward, *_series(train, reward_key), label=reward_key, marker=".")
     ax_reward.set_title("Reward (train)")
 
-    points = _eval_points(records, eval_points)
     if points:
         steps, accuracies, errors, labels = zip(*points)
         if any(e is not None for e in errors):
@@ -124,9 +141,7 @@ def plot_training(
                 fontsize=8,
             )
         ax_acc.set_ylim(0, min(1.0, max(accuracies) * 1.3 + 0.05))
-    else:
-        _no_data(ax_acc)
-    ax_acc.set_title("Held-out accuracy (greedy)")
+        ax_acc.set_title("Held-out accuracy (greedy)")
 
     for key, style in zip(STALENESS_KEYS, ("-", "--")):
         _line(ax_stale, *_series(train, key), label=key.split("/")[-1], linestyle=style, marker=".")
@@ -145,10 +160,7 @@ def plot_training(
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    out = Path(out_png)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    return out
+    return fig
 
 
 def _line(ax, steps, values, label, **kwargs) -> None:

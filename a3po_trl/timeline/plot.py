@@ -271,7 +271,10 @@ def draw_timeline(events: Sequence[dict] | str, path: str, last_steps: int = 20,
             ax.broken_barh([(bar.start, bar.width)], extent, facecolors="black")
 
     ax.axvline(overlap.ideal, color="tab:red", linestyle="--", lw=1.2)
-    ax.text(overlap.ideal, 1.42, " pipelined ideal", color="tab:red", fontsize=8, va="center")
+    # the label on the side of the line with room: the ideal is often the axes' right edge, by the colour bar
+    right_half = overlap.ideal > overlap.actual / 2
+    label = "pipelined ideal " if right_half else " pipelined ideal"
+    ax.text(overlap.ideal, 1.42, label, color="tab:red", fontsize=8, va="center", ha="right" if right_half else "left")
     ticks = [1.0, 1.0 - 0.42, 0.0, -0.42]
     ax.set_yticks(ticks, ["generation\nthread", "phases", "training\n(main thread)", "phases"], fontsize=8)
     ax.set_ylim(-0.65, 1.6)

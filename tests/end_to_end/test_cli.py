@@ -1,6 +1,7 @@
 """`a3po-trl grpo` trains, as a user runs it: TRL's registry rewards, import-path rewards and a reward model, LoRA
-(`--use_peft`), the console script launching one process from a YAML file `trl grpo` takes, and two CPU processes
-(`accelerate launch --multi_gpu --num_processes 2 -m a3po_trl.cli grpo`, and the same through `a3po-trl grpo`).
+(`--use_peft`), `--resume_from_checkpoint auto` starting a run then resuming it, the console script launching one
+process from a YAML file `trl grpo` takes, and two CPU processes (`accelerate launch --multi_gpu --num_processes 2 -m
+a3po_trl.cli grpo`, and the same through `a3po-trl grpo`).
 
 Offline: the tiny model, a local `.jsonl` dataset and a reward module, from `helpers.cli_workspace`.
 """
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import cli_workspace, free_port, logged, run_process_tree
+from helpers import cli_workspace, free_port, logged, logged_after, run_process_tree
 
 from a3po_trl import AsyncA3POTrainer
 from a3po_trl.cli import parse_command_line
@@ -51,6 +52,17 @@ def test_use_peft_trains_and_saves_a_lora_adapter(tmp_path, monkeypatch):
     assert trainer.state.global_step == 2 and trainer.args.max_staleness == 2
     assert (tmp_path / "out" / "adapter_config.json").is_file()
     assert yaml.safe_load((tmp_path / "out" / "adapter_config.json").read_text())["r"] == 4
+
+
+def test_resume_auto_starts_a_fresh_run_then_resumes_it(tmp_path, monkeypatch):
+    """`--resume_from_checkpoint auto`, the same command for every launch of a job a scheduler may requeue: the first
+    launch starts from the beginning, the next resumes from the newest checkpoint (here with a larger --max_steps)."""
+    settings = cli_workspace(tmp_path)
+    (tmp_path / "grpo.yaml").write_text(yaml.safe_dump({**settings, "save_strategy": "steps", "save_steps": 1}))
+    first = train_in_this_process(tmp_path, monkeypatch, "--resume_from_checkpoint", "auto")
+    assert first.state.global_step == 2 and (tmp_path / "out" / "checkpoint-2").is_dir()
+    again = train_in_this_process(tmp_path, monkeypatch, "--resume_from_checkpoint", "auto", "--max_steps", "3")
+    assert again.state.global_step == 3 and len(logged_after(again, "loss", 2)) == 1
 
 
 def run_command(command, workspace, timeout=600):

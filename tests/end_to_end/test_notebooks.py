@@ -48,3 +48,7 @@ def test_notebook_runs_in_smoke_mode(name, smollm2_dir, tmp_path, monkeypatch):
         assert (tmp_path / "out" / "training.png").is_file()
         images = [output for output in outputs if "image/png" in output.get("data", {})]
         assert len(images) >= 2, "the inline plot and the PNG are displayed"
+    else:  # what the text says smoke mode shows: two optimizer steps per method, one batch trained at staleness 0, 1
+        printed = "".join(output.get("text", "") for output in outputs if output.output_type == "stream")
+        for method in ("loglinear", "recompute"):
+            assert f"{method}: 2 optimizer steps in" in printed and "staleness up to 1\n" in printed, printed

@@ -320,9 +320,9 @@ def record_inputs(trainer):
     seen = []
     original = trainer._compute_a3po_loss
 
-    def spy(model, inputs):
+    def spy(model, inputs, exact_logps=None):
         seen.append({k: v.detach().clone() for k, v in inputs.items() if torch.is_tensor(v)})
-        return original(model, inputs)
+        return original(model, inputs, exact_logps)
 
     trainer._compute_a3po_loss = spy
     return seen
@@ -352,6 +352,9 @@ def test_tools_train_with_tool_results_masked_out_of_the_loss(tool_tokenizer, tm
     assert logged(trainer, "tools/failure_frequency") == pytest.approx([1 / 2] * 3)
     assert logged(trainer, "tools/turns_mean") == pytest.approx([5 / 3] * 3)
     assert logged(trainer, "tools/tool_result_tokens_mean")[0] > 0
+    # weights loaded between turns: a trajectory's turns may come from several versions, which is logged
+    assert len(logged(trainer, "a3po/multi_version_trajectories_frac")) == 3
+    assert all(1.0 <= v <= 2.0 for v in logged(trainer, "a3po/completion_versions_max"))
     assert any(not torch.equal(p, trainer.model.get_parameter(n)) for n, p in before.items())
     inputs = seen[0]
     done = encode(tool_tokenizer, DONE)
@@ -384,6 +387,24 @@ def test_tools_train_with_tool_results_masked_out_of_the_loss(tool_tokenizer, tm
     unchanged = loss_with(torch.zeros_like(tool_positions))
     assert loss_with(tool_positions) == unchanged
     assert loss_with(model_positions) != unchanged
+
+
+def test_without_refresh_between_turns_versions_per_completion_are_not_logged(tool_tokenizer, tmp_path):
+    """With refresh_weights_between_turns=False the batch's first version generates every turn: a completion cannot
+    span versions, and the metrics counting them are left out of the logs."""
+    trainer = make_tool_trainer(
+        tool_tokenizer,
+        tmp_path,
+        mixed_script,
+        tools=[multiply],
+        reward_funcs=[zero_reward],
+        max_steps=1,
+        refresh_weights_between_turns=False,
+    )
+    trainer.train()
+    assert logged(trainer, "tools/call_frequency") == pytest.approx([2 / 3])
+    keys = set().union(*trainer.state.log_history)
+    assert not {"a3po/multi_version_trajectories_frac", "a3po/completion_versions_mean"} & keys
 
 
 def test_dynamic_sampling_keeps_each_trajectorys_tool_mask_and_versions(tool_tokenizer, tmp_path):

@@ -1,4 +1,5 @@
-"""plot_training: a 4-panel PNG from a log history or a JSONL file; matplotlib stays optional at import time."""
+"""plot_training: a PNG from a log history or a JSONL file (4 panels, 3 without a held-out accuracy); matplotlib stays
+optional at import time."""
 
 import json
 import subprocess
@@ -44,6 +45,24 @@ def test_periodic_eval_keys_and_missing_data(tmp_path):
     logs = [{"step": 5, "eval_rewards/correctness_reward/mean": 0.5}]
     assert [(p[0], p[1]) for p in _eval_points(logs, [(0, 0.25)])] == [(0, 0.25), (5, 0.5)]
     assert _is_png(plot_training([], tmp_path / "empty.png"))
+
+
+def test_a_run_without_an_evaluation_has_no_held_out_panel(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    saved, savefig = [], Figure.savefig
+
+    def recording_savefig(figure, *args, **kwargs):
+        saved.append(figure)
+        return savefig(figure, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", recording_savefig)
+    assert _is_png(plot_training(LOGS, tmp_path / "no_eval.png"))
+    assert _is_png(plot_training(LOGS, tmp_path / "eval.png", eval_points={0: 0.1, 2: 0.4}))
+    training = ["Reward (train)", "Staleness (optimizer steps)", "Step time (s)"]
+    assert [ax.get_title() for ax in saved[0].axes] == training
+    assert [ax.get_title() for ax in saved[1].axes] == [training[0], "Held-out accuracy (greedy)", *training[1:]]
+    assert not [text for ax in saved[0].axes for text in ax.texts if text.get_text() == "no data"]
 
 
 def test_plot_a_real_training_log(tokenizer, tmp_path):

@@ -1,5 +1,6 @@
 """Resuming runs as a cluster scheduler does: a finished run started again with ``resume_from_checkpoint=True``
-exits cleanly, and a run interrupted after a checkpoint trains every prompt exactly as the uninterrupted run does."""
+exits cleanly, a requeued job with ``resume_from_checkpoint="auto"`` starts fresh then resumes, and a run interrupted
+after a checkpoint trains every prompt exactly as the uninterrupted run does."""
 
 from __future__ import annotations
 
@@ -65,6 +66,23 @@ def test_a_resume_one_step_before_the_end_trains_exactly_that_step(tokenizer, tm
     assert len(logged_after(again, "loss", 2)) == 1
     assert again.last_batch_producer.consumed == 1
     assert _checkpoints(tmp_path) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+
+
+def test_a_requeued_job_with_resume_auto_starts_fresh_then_resumes_from_its_last_checkpoint(tokenizer, tmp_path):
+    """The same command for every launch of a job a scheduler may requeue: ``resume_from_checkpoint="auto"`` trains
+    from the beginning when the output folder holds no checkpoint, and from the newest one after a kill."""
+    settings = dict(dataset=make_prompts(4), save_strategy="steps", save_steps=2, max_staleness=1, max_steps=4)
+    first = make_trainer(tokenizer, tmp_path, **settings)
+    first.add_callback(StopAt(2))  # killed right after checkpoint-2 is written
+    with pytest.raises(KeyboardInterrupt):
+        first.train(resume_from_checkpoint="auto")
+    assert first.state.global_step == 2 and _checkpoints(tmp_path) == ["checkpoint-2"]
+    requeued = make_trainer(tokenizer, tmp_path, model=make_model(tokenizer, seed=5), **settings)
+    requeued.train(resume_from_checkpoint="auto")
+    assert requeued.state.global_step == 4
+    assert len(logged_after(requeued, "loss", 2)) == 2  # steps 3 and 4 only: steps 1 and 2 came from the checkpoint
+    assert logged_after(requeued, "loss", 0)[:2] == logged_after(first, "loss", 0)
+    assert _checkpoints(tmp_path) == ["checkpoint-2", "checkpoint-4"]
 
 
 def _recording_trainer(tokenizer, tmp_path, seed=0, **settings):

@@ -7,7 +7,7 @@ import torch
 from helpers import COMMON, generator_matches, logged, make_trainer
 from tiny import length_reward, make_model, make_prompts
 from transformers import TrainerCallback, TrainingArguments
-from trl import GRPOConfig
+from trl import GRPOConfig, GRPOTrainer
 
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer, builders
 
@@ -32,6 +32,49 @@ def test_synchronous_mode_is_on_policy(tokenizer, tmp_path):
     trainer.train()
     assert logged(trainer, "a3po/staleness_max") == [0.0] * 4
     assert logged(trainer, "a3po/importance_weight_max") == [1.0] * 4
+
+
+#: prefixes of the metrics of features a default run leaves off (in-flight weight loads, versions per completion,
+#: dynamic sampling, tools): logged only when the feature is on
+FEATURE_METRICS = (
+    "async/in_flight_",
+    "a3po/multi_version_trajectories_frac",
+    "a3po/completion_versions_",
+    "a3po/dynamic_sampling_",
+    "tools/",
+)
+
+
+def test_a_default_run_logs_no_metrics_of_features_that_are_off(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, max_steps=2)
+    trainer.train()
+    keys = set().union(*(entry for entry in trainer.state.log_history if "reward" in entry))
+    assert {"reward", "async/generation_time", "async/weight_load_time", "a3po/staleness_mean"} <= keys
+    assert sorted(key for key in keys if key.startswith(FEATURE_METRICS)) == []
+
+
+def test_rewards_that_are_all_none_log_what_grpo_trainer_logs(tokenizer, tmp_path):
+    """A reward function returning None for every completion: the reward metrics are GRPOTrainer's (TRL 1.16 logs
+    None where no value is left, so that JSON loggers do not meet a float NaN)."""
+
+    def no_reward(completions, **kwargs):
+        return [None] * len(completions)
+
+    ours = make_trainer(tokenizer, tmp_path / "a", reward_funcs=(no_reward,), max_steps=1)
+    ours.train()
+    settings = {**COMMON, "max_steps": 1, "bf16": False}
+    theirs = GRPOTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=[no_reward],
+        args=GRPOConfig(output_dir=str(tmp_path / "b"), **settings),
+        train_dataset=make_prompts(16),
+        processing_class=tokenizer,
+    )
+    theirs.train()
+    names = ("reward", "reward_std", "rewards/no_reward/mean", "rewards/no_reward/std", "frac_reward_zero_std")
+    logged_by = [{name: trainer.state.log_history[0][name] for name in names} for trainer in (ours, theirs)]
+    assert repr(logged_by[0]) == repr(logged_by[1])  # repr: a NaN would equal a NaN
+    assert logged_by[0]["reward"] is None
 
 
 def test_steps_spanning_a_generation_batch_respect_the_bound(tokenizer, tmp_path):

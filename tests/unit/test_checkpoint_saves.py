@@ -98,6 +98,27 @@ def test_resume_true_without_a_complete_checkpoint_raises_naming_each_candidate(
         resolve_resume_checkpoint(StandInTrainer(tmp_path / "empty"), True)
 
 
+def test_resume_auto_starts_from_the_beginning_without_a_complete_checkpoint_else_resumes(tmp_path, caplog):
+    """``"auto"``, for a job a scheduler requeues: no checkpoint yet, or none complete, starts from the beginning
+    (``None``, saying why) where ``True`` raises; once one is complete it resumes from the newest complete one."""
+    with caplog.at_level(logging.WARNING, logger="a3po_trl"):
+        assert resolve_resume_checkpoint(StandInTrainer(tmp_path / "fresh"), "auto") is None
+    assert "holds no checkpoint-N folder. Starting from the beginning." in caplog.text
+    trainer = StandInTrainer(tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.save(1, interrupt_after_optimizer=True)  # the first save was interrupted
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="a3po_trl"):
+        assert resolve_resume_checkpoint(StandInTrainer(tmp_path), "auto") is None
+    assert "tmp-checkpoint-1 is an interrupted save" in caplog.text and "Starting from the beginning" in caplog.text
+    trainer.save(2)
+    (tmp_path / "checkpoint-3").mkdir()  # an in-place write that never got its trainer state
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="a3po_trl"):
+        assert resolve_resume_checkpoint(StandInTrainer(tmp_path), "auto") == str(tmp_path / "checkpoint-2")
+    assert "resume_from_checkpoint='auto' skips" in caplog.text and "checkpoint-3 is incomplete" in caplog.text
+
+
 def test_rotation_deletes_a_half_deleted_checkpoint_first_whatever_its_modification_time(tmp_path):
     trainer = StandInTrainer(tmp_path, save_total_limit=2)
     trainer.save(1)

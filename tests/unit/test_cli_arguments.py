@@ -296,6 +296,31 @@ REFUSALS = {
     ),
     "no dataset": ([], {"dataset_name": None}, ["No dataset: pass --dataset_name"]),
     "no model": ([], {"model_name_or_path": None}, ["No model: pass --model_name_or_path"]),
+    "missing model folder": (
+        ["--model_name_or_path", "./no_such_model"],
+        {},
+        ["--model_name_or_path ./no_such_model: no such model directory or Hub id: no such folder", "save_pretrained"],
+    ),
+    "missing absolute model path": (
+        ["--model_name_or_path", "/no/such/model"],
+        {},
+        ["--model_name_or_path /no/such/model: no such model directory or Hub id: no such folder"],
+    ),
+    "missing nested model path": (
+        ["--model_name_or_path", "out/checkpoint-9/model"],
+        {},
+        ["--model_name_or_path out/checkpoint-9/model: no such model directory or Hub id: no such folder"],
+    ),
+    "model path to a file": (
+        ["--model_name_or_path", "notes.txt"],
+        {},
+        ["--model_name_or_path notes.txt: no such model directory or Hub id: a file, not a folder"],
+    ),
+    "invalid hub id": (
+        ["--model_name_or_path", "Qwen/Qwen 2.5"],
+        {},
+        ["--model_name_or_path Qwen/Qwen 2.5: no such model directory or Hub id", "not a valid Hub id"],
+    ),
     "a3po value": (["--max_staleness", "-1"], {}, ["max_staleness=-1 must be an integer >= 0"]),
 }
 
@@ -313,6 +338,17 @@ def test_each_refusal_names_the_flag_and_the_fix_before_anything_runs(case, entr
     assert "a3po-trl grpo: error: " in error
     for text in expected:
         assert text in " ".join(error.split()), (text, error)
+
+
+@pytest.mark.parametrize("model", ["Qwen/Qwen2.5-0.5B-Instruct", "gpt2", "model", "./model", "absolute"])
+def test_a_hub_id_or_a_local_folder_passes_without_contacting_the_hub(model, workspace, commands, monkeypatch):
+    """A local folder launches, and so does a name of the Hub's form, left to the Hub (or its cache) when the model
+    loads: nothing is looked up before the launch."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = str(workspace / "model") if model == "absolute" else model
+    config = write_yaml(workspace / "trl.yaml", TRL_YAML)
+    status, launches, _ = commands["a3po-trl grpo"](["--config", config, "--model_name_or_path", model])
+    assert status == 0 and len(launches) == 1
 
 
 def test_a_launch_option_after_the_program_says_where_it_goes(workspace, commands, capsys):

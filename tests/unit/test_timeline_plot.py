@@ -1,10 +1,10 @@
 """The timeline picture's layout (a3po_trl/timeline/plot.py), from hand-made traces: what the pipelined ideal counts,
-which versions the colour bar lists, and the phase rows."""
+which versions the colour bar lists, the phase rows, and where the ideal's label is drawn."""
 
 import pytest
 
 from a3po_trl.timeline import GENERATION_LANE, TRAINING_LANE, TimelineRecorder
-from a3po_trl.timeline.plot import MIN_PHASE_FRACTION, PHASES, ROWS, layout_timeline
+from a3po_trl.timeline.plot import MIN_PHASE_FRACTION, PHASES, ROWS, draw_timeline, layout_timeline
 
 
 def trace(generation=(), training=()):
@@ -87,3 +87,30 @@ def test_the_ideal_counts_the_fill_only_when_the_window_starts_the_run():
     assert (whole.fill, whole.training_busy, whole.ideal, whole.actual) == pytest.approx((2, 2, 4, 4))
     last = layout_timeline(events, last_steps=1).overlap
     assert last.fill == 0 and last.ideal == pytest.approx(last.actual)
+
+
+@pytest.mark.parametrize("ideal_at", ["the right edge", "the left half"])
+def test_the_ideal_label_stays_inside_the_axes_clear_of_the_colour_bar(tmp_path, monkeypatch, ideal_at):
+    from matplotlib.figure import Figure
+
+    saved, savefig = [], Figure.savefig
+
+    def recording_savefig(figure, *args, **kwargs):
+        saved.append(figure)
+        return savefig(figure, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", recording_savefig)
+    if ideal_at == "the right edge":  # the trainer never idles: the ideal is the window's end
+        generation = [("batch", 0, 1, {"version": 0}), ("batch", 1, 2, {"version": 1})]
+        training = [("step", 1, 2, {"step": 1, "version": 0}), ("step", 2, 3, {"step": 2, "version": 1})]
+    else:  # a long wait: the ideal lies early in the window
+        generation = [("batch", 0, 1, {"version": 0}), ("batch", 1, 2, {"version": 1})]
+        training = [("step", 1, 1.2, {"step": 1, "version": 0}), ("step", 9.8, 10, {"step": 2, "version": 1})]
+    draw_timeline(trace(generation, training), str(tmp_path / "timeline.png"))
+    (figure,) = saved
+    axes, colour_bar = figure.axes[:2]
+    (label,) = [text for text in axes.texts if text.get_text().strip() == "pipelined ideal"]
+    renderer = figure.canvas.get_renderer()
+    box, inside = label.get_window_extent(renderer), axes.get_window_extent(renderer)
+    assert inside.x0 <= box.x0 and box.x1 <= inside.x1
+    assert box.x1 < colour_bar.get_window_extent(renderer).x0
