@@ -112,7 +112,22 @@ def build_backend(trainer) -> GenerationBackend:
     else:
         backend = _build_hf_backend(trainer, setup.dtype)
     backend.memory_plan = plan
+    logger.info("Process %d: generation engine: %s", trainer.accelerator.process_index, generation_engine(trainer))
     return backend
+
+
+def generation_engine(trainer) -> str:
+    """Which engine generates the run's completions, and in which thread, as the log names it: ``HF generate``,
+    ``transformers continuous batching``, ``vLLM colocate`` or ``vLLM server``."""
+    if trainer._use_vllm_backend:
+        engine = f"vLLM {trainer.args.vllm_mode}"
+    elif trainer.args.use_transformers_continuous_batching:
+        engine = "transformers continuous batching"
+    else:
+        engine = "HF generate"
+    thread = "the generation thread" if trainer.args.async_generation else "the main thread (async_generation=False)"
+    updates = ", weights loaded mid-batch (in_flight_weight_updates)" if trainer.args.in_flight_weight_updates else ""
+    return f"{engine}, in {thread}{updates}"
 
 
 def generator_setup(trainer) -> GeneratorSetup:

@@ -22,8 +22,9 @@ SmolLM2-135M-Instruct with LoRA r=16 and the word-choice task (``benchmarks/stal
 - ``iter2-lr<rate>``: every batch trained twice (``num_iterations=2``);
 
 each at the study's learning rate (``hi``: 1e-3) and the time-to-accuracy study's (``lo``: 2e-4). The summary gives
-the differences by the anchor's age, per configuration (mean over the steps of that age, with its 95% t interval over
-those steps), the drift per optimizer step beside them, and a plot::
+the differences by the anchor's age, per configuration (mean over the steps of that age, with a descriptive 95% t
+interval over those steps of the one run: their spread, not a confidence interval over runs), the drift per optimizer
+step beside them, and a plot::
 
     python -m benchmarks.approximation                      # 4 runs on SmolLM2, resumable
     python -m benchmarks.approximation --summary-only
@@ -134,8 +135,9 @@ def summarize(store: RunStore, options) -> str:
     records = store.records()
     lines = [
         "Difference of A-3PO's log-linear anchor from the recomputed anchor, by the anchor's age (versions the "
-        "trained weights are past it; 0 on a batch's first step), mean over the steps of that age with its 95% t "
-        "interval over them, batches generated one version before their first step (the first batch left out). "
+        "trained weights are past it; 0 on a batch's first step), mean over the steps of that age with a "
+        "descriptive 95% t interval over them (the steps of one run: their spread, not a confidence interval over "
+        "runs), batches generated one version before their first step (the first batch left out). "
         "Age 1: both target the same policy, the interpolation's own error; other ages: |age - 1| versions between "
         "the policies they target. Drift: the policy's movement per optimizer step on sampled tokens (nats).",
         "",
@@ -182,7 +184,8 @@ def compact_table(table: dict, records: dict) -> list[str]:
     ages = sorted({int(key.rpartition("/age")[2]) for key in table})
     lines = [
         "Mean abs log-prob difference of the log-linear anchor from the recomputed one (nats per token), by anchor "
-        "age, 95% t interval over steps (age 1: the interpolation's error; other ages: different target versions); "
+        "age, descriptive 95% t interval over one run's steps (age 1: the interpolation's error; other ages: "
+        "different target versions); "
         "last column: age 1's error over the drift per optimizer step on the same steps:",
         "",
         "| configuration | " + " | ".join(f"age {age}" for age in ages) + " | age 1 error / drift per step |",

@@ -12,7 +12,10 @@ What is regenerated, and from what:
 - the proximal map while its runs are not committed: ``families.{md,json}`` (Holm within each family, equivalence
   against the margin), read back from the committed ``summary.json``'s means and intervals;
 - ``compare-*.md`` and ``profile-*.md`` from their JSON reports (``benchmarks/compare``), ``backends-*.md`` from theirs
-  (``benchmarks/backends.py``).
+  (``benchmarks/backends.py``);
+- then the marked blocks of ``README.md``, ``docs/BENCHMARKS.md`` and ``docs/USAGE.md`` (``<!-- regenerate:NAME -->``
+  ... ``<!-- /regenerate:NAME -->``), from those summaries, by :mod:`benchmarks.doc_blocks`: the numbers the README's
+  table and BENCHMARKS' headline tables quote are never copied by hand.
 
 Not regenerable, and why (:data:`NOT_REGENERABLE`): the summaries whose runs were never committed (none today). A
 study being rerun (:data:`RERUNS`) keeps its old summary until every run of the rerun is committed: a part of the
@@ -28,9 +31,13 @@ import json
 import shutil
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = RESULTS.parent.parent
+#: The documents whose marked blocks are written from the summaries (:mod:`benchmarks.doc_blocks`).
+DOCUMENTS = (ROOT / "README.md", ROOT / "docs" / "BENCHMARKS.md", ROOT / "docs" / "USAGE.md")
 #: Summaries that cannot be regenerated while their study's runs/ is empty, with why.
 NOT_REGENERABLE: dict[str, str] = {}
 #: The proximal map's families, when read back from its summary rather than from its runs.
@@ -56,9 +63,10 @@ def rerun_progress(folder: Path) -> str:
     return f"{len(list((folder / 'runs').glob('*@*.json')))} of {RERUNS[folder.name]} runs"
 
 
-def regenerate(results: Path = RESULTS) -> list[str]:
-    """Regenerate every summary and table under ``results`` (the committed folder, or a copy of it); returns what
-    was regenerated, relative to ``results``."""
+def regenerate(results: Path = RESULTS, documents: Sequence[Path] = DOCUMENTS) -> list[str]:
+    """Regenerate every summary and table under ``results`` (the committed folder, or a copy of it), then the marked
+    blocks of ``documents`` from them; returns what was regenerated, relative to ``results`` (a document: its
+    name)."""
     from benchmarks import dynamic_sampling, in_flight, proximal_map, staleness, time_to_accuracy
 
     done = []
@@ -93,7 +101,25 @@ def regenerate(results: Path = RESULTS) -> list[str]:
     if (results / "proximal_map" / "families.md").exists():
         done += ["proximal_map/families.md", "proximal_map/families.json"]
     done += _tables(results)
+    done += write_documents(results, documents)
     return done
+
+
+def write_documents(results: Path, documents: Sequence[Path]) -> list[str]:
+    """Rewrite the marked blocks of each document from the summaries under ``results``; returns the documents as
+    :func:`document_name` names them."""
+    from benchmarks.doc_blocks import rewrite
+
+    done = []
+    for document in documents:
+        document.write_text(rewrite(document.read_text(), results, document_name(document)))
+        done.append(document_name(document))
+    return done
+
+
+def document_name(document: Path) -> str:
+    """A document relative to the repository (``README.md``, ``docs/BENCHMARKS.md``), or its name elsewhere."""
+    return str(document.relative_to(ROOT)) if document.is_relative_to(ROOT) else document.name
 
 
 def _tables(results: Path) -> list[str]:
@@ -112,20 +138,26 @@ def _tables(results: Path) -> list[str]:
     return done
 
 
-def check(results: Path = RESULTS) -> dict[str, str]:
-    """Regenerate into a scratch copy of ``results`` and compare every regenerated JSON and Markdown file with the
-    committed one (images are left out: a plot's bytes depend on the matplotlib build). Returns what differs, with
-    the first differing line."""
+def check(results: Path = RESULTS, documents: Sequence[Path] = DOCUMENTS) -> dict[str, str]:
+    """Regenerate into a scratch copy of ``results`` and of ``documents`` and compare every regenerated JSON and
+    Markdown file, and every document, with the committed one (images are left out: a plot's bytes depend on the
+    matplotlib build). Returns what differs, with the first differing line."""
     differences = {}
     with tempfile.TemporaryDirectory(prefix="a3po-regenerate-") as scratch:
         copy = Path(scratch) / "results"
         shutil.copytree(results, copy, ignore=shutil.ignore_patterns("work", "*.png"))
-        for name in regenerate(copy):
-            committed, made = results / name, copy / name
+        pairs = {name: (results / name, copy / name) for name in regenerate(copy, documents=())}
+        for document in documents:
+            scratch_copy = Path(scratch) / "documents" / document_name(document)
+            scratch_copy.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(document, scratch_copy)
+            write_documents(copy, [scratch_copy])
+            pairs[document_name(document)] = (document, scratch_copy)
+        for name, (committed, regenerated) in pairs.items():
             if not committed.exists():
                 differences[name] = "not committed"
                 continue
-            old, new = committed.read_text().splitlines(), made.read_text().splitlines()
+            old, new = committed.read_text().splitlines(), regenerated.read_text().splitlines()
             if old != new:
                 line = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
                 differences[name] = (
@@ -144,8 +176,13 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[regenerate] {name} differs from what its records give: {why}")
         _not_regenerable()
         if differences:
-            raise SystemExit(f"{len(differences)} committed summaries differ: python -m benchmarks.regenerate")
-        print("[regenerate] every regenerable summary equals what its records give")
+            raise SystemExit(
+                f"{len(differences)} committed summaries or documents differ: python -m benchmarks.regenerate"
+            )
+        print(
+            "[regenerate] every regenerable summary, and every marked block of the documents, "
+            "equals what the records give"
+        )
         return
     for name in regenerate():
         print(f"[regenerate] wrote {name}")

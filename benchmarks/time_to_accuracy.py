@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
 from pathlib import Path
 
 from benchmarks.common.demo import demo_trainer
+from benchmarks.common.intervals import mean_interval
 from benchmarks.common.runner import RunStore, plan, run_study, study_parser
 
 HERE = Path(__file__).resolve().parent
@@ -234,7 +236,11 @@ def _summarize(store: RunStore, options, names, seeds) -> str:
             "seconds_per_step": statistics.fmean(r["seconds_per_step"] for r in done),
             "train_minutes": statistics.fmean(r["train_seconds"] for r in done) / 60,
             "minutes_to_baseline_final": [None if t is None else t / 60 for t in reach],
+            "per_seed": {str(r["seed"]): _seed_entry(r, tests[(r["config"], r["seed"])]) for r in done},
         }
+        speedup = same_seed_speedup({r["seed"]: r for r in done}, {r["seed"]: r for r in baseline})
+        if speedup is not None and name != "trl":
+            entry["speedup_vs_trl"] = speedup
         summary[name] = entry
         reached = [t for t in entry["minutes_to_baseline_final"] if t is not None]
         reach_text = f"{statistics.fmean(reached):.1f} ({len(reached)}/{len(done)})" if reached else "-"
@@ -256,6 +262,7 @@ def _summarize(store: RunStore, options, names, seeds) -> str:
             "",
             f"Missing runs: {', '.join(missing) if missing else 'none'}.",
             "",
+            *_speedup_lines(summary),
             "Per run:",
             "",
             *_per_run_table(runs, tests, names, seeds),
@@ -266,6 +273,64 @@ def _summarize(store: RunStore, options, names, seeds) -> str:
     (out / "summary.md").write_text(table + "\n")
     _plot(runs, names, out / "accuracy_vs_time.png")
     return table
+
+
+def _seed_entry(run: dict, test: dict) -> dict:
+    """What the per-run table shows of one run: held-out accuracy before and after, the paired gain with its standard
+    error and McNemar p-value, and its timings."""
+    return {
+        "before": run["before"],
+        "after": run["after"],
+        "gain": test["gain"],
+        "gain_stderr": test["stderr"],
+        "p_value": test["p_value"],
+        "seconds_per_step": run["seconds_per_step"],
+        "train_minutes": run["train_seconds"] / 60,
+        "completion_mean_length": run.get("completion_mean_length"),
+    }
+
+
+def same_seed_speedup(runs: dict[int, dict], baseline: dict[int, dict]) -> dict | None:
+    """TRL's training seconds over the configuration's, seed by seed (same data order), and their geometric mean
+    over the seeds with its 95% t interval (taken on the log ratios); ``None`` without a seed both have. Each ratio
+    also carries the two runs' own completion lengths: a wall-clock ratio of whole runs, not the step-time speed-up
+    of a controlled benchmark."""
+    seeds = sorted(runs.keys() & baseline.keys())
+    if not seeds:
+        return None
+    ratios = [baseline[s]["train_seconds"] / runs[s]["train_seconds"] for s in seeds]
+    logs = mean_interval([math.log(ratio) for ratio in ratios])
+    return {
+        "seeds": seeds,
+        "ratios": ratios,
+        "geometric_mean": math.exp(logs.mean),
+        "low": math.exp(logs.low),
+        "high": math.exp(logs.high),
+    }
+
+
+def _speedup_lines(summary: dict) -> list[str]:
+    """The same-seed training-time ratios against TRL, per configuration, with their geometric mean."""
+    rows = [
+        f"| {name} | {' / '.join(f'{r:.2f}x' for r in s['ratios'])} | {s['geometric_mean']:.2f}x "
+        f"[{s['low']:.2f}, {s['high']:.2f}] |"
+        for name, entry in summary.items()
+        if (s := entry.get("speedup_vs_trl")) and len(s["seeds"]) > 1
+    ]
+    if not rows:
+        return []
+    return [
+        "Training time against TRL on the same seed (TRL's training minutes / the configuration's; seed by seed, "
+        "then the geometric mean over seeds with its 95% t interval, taken on the log ratios, uncorrected for the "
+        "number of configurations). Each ratio carries "
+        "the two runs' own completion lengths, so it is a wall-clock ratio of whole runs, not the trainer's step-time "
+        "speed-up:",
+        "",
+        "| configuration | per seed | geometric mean [95% interval] |",
+        "|---|---:|---:|",
+        *rows,
+        "",
+    ]
 
 
 def _label(name: str) -> str:

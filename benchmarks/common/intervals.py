@@ -161,8 +161,10 @@ def equivalence(values, margin: float, alpha: float = 0.05) -> Equivalence:
 
 def paired_test(a: dict, b: dict, margin: float) -> dict:
     """``a[seed] - b[seed]`` over the seeds both have: the seeds, the mean with its 95% t interval, the t test's
-    p-value and two one-sided tests (TOST) against ``margin`` (``p`` and ``equivalence_p`` are ``None`` for one seed:
-    no test)."""
+    p-value and two one-sided tests (TOST) against ``margin`` with the 90% interval that decides them
+    (``equivalence_low``, ``equivalence_high``: equivalent exactly where it lies inside the margin; the 95% interval
+    may cross the margin where TOST shows equivalence). ``p``, ``equivalence_p`` and the 90% interval are ``None``
+    for one seed: no test."""
     values = paired_values(a, b)
     interval = paired_difference(a, b)
     test = equivalence(values, margin) if len(values) > 1 else None
@@ -174,5 +176,7 @@ def paired_test(a: dict, b: dict, margin: float) -> dict:
         "p": p_value(values) if test else None,
         "equivalence_margin": margin,
         "equivalence_p": test.p if test else None,
+        "equivalence_low": test.low if test else None,
+        "equivalence_high": test.high if test else None,
         "equivalent": bool(test and test.equivalent),
     }

@@ -1,14 +1,51 @@
-"""``python -m benchmarks.regenerate``: the committed summaries and tables are what the committed records give."""
+"""``python -m benchmarks.regenerate``: the committed summaries and tables are what the committed records give, and
+the marked blocks of README.md, docs/BENCHMARKS.md and docs/USAGE.md are what the summaries give."""
 
 import json
 import re
 import shutil
 
-from benchmarks import regenerate
+import pytest
+
+from benchmarks import doc_blocks, regenerate
 
 
-def test_committed_summaries_equal_what_their_records_regenerate():
+def test_committed_summaries_and_documents_equal_what_their_records_regenerate():
     assert regenerate.check() == {}
+    # every document has its blocks, and every block has a generator
+    readme, benchmarks_page, usage = (document.read_text() for document in regenerate.DOCUMENTS)
+    assert doc_blocks.blocks_in(readme) == ["readme-what-you-get"]
+    assert {"step-time", "time-to-accuracy", "proximal-map-families", "confirmation", "in-flight"} <= set(
+        doc_blocks.blocks_in(benchmarks_page)
+    )
+    assert doc_blocks.blocks_in(usage) == ["usage-when-to-turn-on"]
+    assert set(doc_blocks.GENERATORS) == set(doc_blocks.blocks_in(readme + benchmarks_page + usage))
+
+
+def test_check_names_a_number_edited_by_hand_in_the_readme_and_regenerate_restores_it(tmp_path):
+    readme = tmp_path / "README.md"
+    committed = regenerate.DOCUMENTS[0].read_text()
+    readme.write_text(committed)
+    assert regenerate.check(documents=[readme]) == {}
+    # the demo configuration's interval over seeds, copied by hand with another upper end
+    block = committed[committed.index("<!-- regenerate:readme-what-you-get -->") :]
+    interval = re.search(r"geometric mean (\d\.\d\dx \[\d\.\d\d, \d\.\d\d\])", block).group(1)
+    readme.write_text(committed.replace(interval, interval[:-5] + "1.28]"))
+    differences = regenerate.check(documents=[readme])
+    assert list(differences) == ["README.md"] and interval in differences["README.md"]
+    # text outside the blocks is the document's own: an edit there is kept, the block is restored
+    readme.write_text(readme.read_text().replace("## Usage", "## Usage, edited"))
+    regenerate.write_documents(regenerate.RESULTS, [readme])
+    assert readme.read_text() == committed.replace("## Usage", "## Usage, edited")
+
+
+def test_a_block_without_a_generator_or_an_end_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="block 'readme-speed' has no generator"):
+        doc_blocks.rewrite("<!-- regenerate:readme-speed -->\n<!-- /regenerate:readme-speed -->\n", tmp_path)
+    with pytest.raises(ValueError, match="block 'in-flight' .* has no <!-- /regenerate:in-flight -->"):
+        doc_blocks.rewrite("<!-- regenerate:in-flight -->\n| a table |\n", tmp_path)
+    with pytest.raises(FileNotFoundError, match="in-flight/summary.json is missing"):  # no summaries under tmp_path
+        doc_blocks.rewrite("<!-- regenerate:in-flight -->\n<!-- /regenerate:in-flight -->\n", tmp_path)
 
 
 def test_check_names_a_summary_edited_by_hand_and_regenerate_restores_it(tmp_path):
@@ -16,30 +53,33 @@ def test_check_names_a_summary_edited_by_hand_and_regenerate_restores_it(tmp_pat
     shutil.copytree(regenerate.RESULTS / "staleness" / "confirmation", results / "staleness" / "confirmation")
     (results / "proximal_map").mkdir()
     shutil.copy(regenerate.RESULTS / "proximal_map" / "summary.json", results / "proximal_map")
-    assert regenerate.check(results) == {"proximal_map/families.md": "not committed",
-                                         "proximal_map/families.json": "not committed"}  # fmt: skip
-    made = regenerate.regenerate(results)
+    assert regenerate.check(results, documents=()) == {"proximal_map/families.md": "not committed",
+                                                       "proximal_map/families.json": "not committed"}  # fmt: skip
+    made = regenerate.regenerate(results, documents=())
     assert set(made) == {"staleness/confirmation/summary.md", "staleness/confirmation/summary.json",
                          "proximal_map/families.md", "proximal_map/families.json"}  # fmt: skip
-    assert regenerate.check(results) == {}
+    assert regenerate.check(results, documents=()) == {}
     summary = results / "staleness" / "confirmation" / "summary.md"
     committed = summary.read_text()
     # the pre-registered comparison's interval, edited by hand: the check names the file and the interval it gives
     row = next(line for line in committed.splitlines() if "| loglinear - recompute |" in line)
     interval = re.search(r"[-+]\d\.\d{3} \[[-+]\d\.\d{3}, [-+]\d\.\d{3}\]", row).group(0)
     summary.write_text(committed.replace(interval, "+9.999 [+9.000, +9.999]"))
-    differences = regenerate.check(results)
+    differences = regenerate.check(results, documents=())
     assert list(differences) == ["staleness/confirmation/summary.md"]
     assert interval in differences["staleness/confirmation/summary.md"]
     families = json.loads((results / "proximal_map" / "families.json").read_text())
     cells = families["families"]["loglinear - recompute, final"]
     assert len(cells) == 16 and sum(c["verdict"] == "difference" for c in cells) == 5
+    # Holm within the family for the equivalence tests too: of the 4 cells equivalent by their own test, 2 remain
+    assert sum(c["equivalence_p"] <= 0.05 for c in cells) == 4
+    assert sum(c["verdict"] == "equivalent" for c in cells) == 2
     # read back from the summary's intervals, the verdicts are those the committed runs give
     from_runs = json.loads((regenerate.RESULTS / "proximal_map" / "families.json").read_text())
     assert [c["verdict"] for c in cells] == [
         c["verdict"] for c in from_runs["families"]["loglinear - recompute, final"]
     ]
-    regenerate.regenerate(results)
+    regenerate.regenerate(results, documents=())
     assert summary.read_text() == committed
 
 
@@ -51,7 +91,7 @@ def test_a_rerun_in_progress_does_not_replace_the_summary_it_reruns(tmp_path):
     shutil.copy(regenerate.RESULTS / "proximal_map" / "summary.json", results / "proximal_map")
     committed = (results / "proximal_map" / "summary.json").read_text()
     (results / "proximal_map" / "runs" / "loglinear-s0-k1-lrhi@0.json").write_text("{}")  # one run of 768
-    made = regenerate.regenerate(results)
+    made = regenerate.regenerate(results, documents=())
     assert "proximal_map/summary.json" not in made and "proximal_map/families.md" in made
     assert (results / "proximal_map" / "summary.json").read_text() == committed
     assert regenerate.rerun_progress(results / "proximal_map") == "1 of 768 runs"

@@ -2,6 +2,7 @@
 equivalence test (TOST) the studies report with."""
 
 import math
+import statistics
 
 import pytest
 
@@ -12,6 +13,7 @@ from benchmarks.common.intervals import (
     mean_interval,
     p_value,
     paired_difference,
+    paired_test,
     t_quantile,
 )
 
@@ -93,3 +95,16 @@ def test_equivalence_from_a_summary_equals_the_one_from_values():
     assert summary.equivalent == direct.equivalent
     with pytest.raises(ValueError, match="margin must be positive"):
         equivalence_from_summary(0.0, 0.1, 4, margin=0.0)
+
+
+def test_paired_test_reports_the_90_percent_interval_that_decides_equivalence():
+    # the in-flight study's main setting, s per optimizer step (on, off by seed): equivalent within +-1.23 s by TOST,
+    # though the 95% interval reaches past the margin; the 90% interval is what lies inside it
+    on, off = {42: 12.266, 43: 13.603, 44: 11.307}, {42: 12.310, 43: 13.795, 44: 10.659}
+    row = paired_test(on, off, margin=1.2255)
+    assert row["equivalent"] and row["equivalence_p"] <= 0.05
+    assert row["high"] > 1.2255  # the 95% interval crosses the margin
+    assert -1.2255 < row["equivalence_low"] < row["mean"] < row["equivalence_high"] < 1.2255
+    half = t_quantile(0.95, 2) * statistics.stdev([on[s] - off[s] for s in on]) / math.sqrt(3)
+    assert row["equivalence_high"] - row["mean"] == pytest.approx(half)
+    assert paired_test({1: 0.3}, {1: 0.1}, margin=0.05)["equivalence_low"] is None  # one seed: no test

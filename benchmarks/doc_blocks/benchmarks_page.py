@@ -1,0 +1,288 @@
+"""docs/BENCHMARKS.md's blocks: each study's headline table or sentence, from its summary."""
+
+from __future__ import annotations
+
+import re
+
+from benchmarks.common.intervals import holm
+
+from .sources import Summaries, interval, percent, seconds, signed, span
+from .studies import (
+    confirmation_rows,
+    confirmation_step_time,
+    in_flight_rows,
+    map_cell,
+    map_family_counts,
+    map_margin,
+    step_time_speedups,
+)
+
+
+# ---- step time against TRL (benchmarks/compare) ----------------------------------------------------------------
+def step_time_table(s: Summaries) -> str:
+    """The controlled step-time benchmark: loglinear and recompute at staleness 1 / 2 / 4 against TRL."""
+    report = s.json("compare-smollm2.json")
+    configs, speedup = report["configs"], report["speedup_vs_trl"]
+    micro = next(row for row in report["microbench"]["by_threads"] if row["threads"] == 1)
+    shape = ", ".join(map(str, report["microbench"]["batch_shape"]))
+    lines = [
+        f"| | s/step | vs TRL `GRPOTrainer` (2 threads, {configs['trl']['step_time_median']:.2f} s) | proximal "
+        "log-probs |",
+        "|---|---:|---:|---:|",
+    ]
+    for method in ("loglinear", "recompute"):
+        names = [f"{method}-s{d}" for d in (1, 2, 4)]
+        prox = [configs[name]["prox_time"] for name in names]
+        prox_text = f"{span([p * 1e3 for p in prox], '.1f')} ms" if max(prox) < 1.0 else f"{span(prox, '.1f')} s"
+        step_seconds = " / ".join(f"{configs[name]['step_time_median']:.2f}" for name in names)
+        lines.append(
+            f"| `AsyncA3POTrainer`, {method}, staleness 1 / 2 / 4 | {step_seconds} | "
+            f"{' / '.join(f'{speedup[n]:.2f}x' for n in names)} | {prox_text} per step |"
+        )
+    lines.append(
+        f"| one proximal computation, ({shape}) batch, one thread | | | loglinear "
+        f"{seconds(micro['loglinear_seconds'])} vs a recompute forward {seconds(micro['recompute_seconds'])}: "
+        f"{micro['ratio']:,.0f}x |"
+    )
+    return "\n".join(lines)
+
+
+def micro_operation(s: Summaries) -> str:
+    """What the micro-benchmark's ratio means end to end."""
+    step = confirmation_step_time(s)
+    return (
+        "The last row is a micro-operation: one proximal computation, not a training step. End to end the forward is "
+        "paid once per generation batch; at four optimizer steps per batch on SmolLM2 (the pre-registered "
+        f"confirmation below, {len(step['seeds'])} seeds) `loglinear - recompute` in seconds per optimizer step was "
+        f"{interval(step, 2)} s of {step['recompute_mean']:.2f} s, paired by seed: a difference within noise (the "
+        "later seeds ran beside other work)."
+    )
+
+
+# ---- time to accuracy ------------------------------------------------------------------------------------------
+def time_to_accuracy_tables(s: Summaries) -> str:
+    """The study's summary.md: its configuration table, the same-seed training-time ratios, the per-run table."""
+    text = s.text("time-to-accuracy/summary.md")
+    kept = "\n".join(line for line in text.splitlines() if not line.startswith("Missing runs:"))
+    return re.sub(r"\n{3,}", "\n\n", kept).strip()
+
+
+def time_to_accuracy_speed(s: Summaries) -> str:
+    """The speed sentence: the demo configuration's same-seed ratios, their interval, the controlled benchmark's."""
+    tta = s.json("time-to-accuracy/summary.json")["configs"]["loglinear-s1"]["speedup_vs_trl"]
+    controlled = [row["speedup"] for row in step_time_speedups(s).values()]
+    includes_one = "includes" if tta["low"] <= 1.0 <= tta["high"] else "excludes"
+    return (
+        f"- Speed: `loglinear` at staleness 1 (the demo's configuration) trained the 60 steps "
+        f"{' / '.join(f'{r:.2f}x' for r in tta['ratios'])} as fast as TRL on seeds "
+        f"{' / '.join(map(str, tta['seeds']))} (same data order): a geometric mean of {tta['geometric_mean']:.2f}x "
+        f"[{tta['low']:.2f}, {tta['high']:.2f}] over the {len(tta['seeds'])} seeds, an interval that {includes_one} "
+        f"1. The controlled step-time benchmark above measured {span(controlled)}x."
+    )
+
+
+# ---- the proximal map ------------------------------------------------------------------------------------------
+def proximal_map_table(s: Summaries) -> str:
+    """Final reward per cell, mean over the seeds."""
+    lines = [
+        "| steps per batch, lr | method | staleness 0 | 2 | 4 | 8 |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for k in (1, 4):
+        for rate in ("hi", "lo"):
+            for method in ("behavior", "recompute", "loglinear"):
+                means = [f"{map_cell(s, method, d, k, rate)['mean']:.3f}" for d in (0, 2, 4, 8)]
+                lines.append(f"| {k}, {rate} | {method} | {' | '.join(means)} |")
+    return "\n".join(lines)
+
+
+def _cells(rows: list[dict]) -> str:
+    """Cells named by steps per batch and learning rate, then their staleness."""
+    groups: dict[tuple[int, str], list[int]] = {}
+    for row in rows:
+        groups.setdefault((row["steps_per_batch"], row["lr"]), []).append(row["staleness"])
+    return "; ".join(
+        f"{k} step{'s' if k > 1 else ''} per batch at `{rate}`, staleness {', '.join(map(str, stale))}"
+        for (k, rate), stale in groups.items()
+    )
+
+
+def proximal_map_families(s: Summaries) -> str:
+    """The multiple-comparisons bullet: the loglinear - recompute families' verdicts, counted and named."""
+    families = s.json("proximal_map/families.json")["families"]
+    final = families["loglinear - recompute, final"]
+    counts, auc = (
+        map_family_counts(s, "loglinear - recompute, final"),
+        map_family_counts(s, "loglinear - recompute, auc"),
+    )
+    ahead = [row for row in final if row["verdict"] == "difference" and row["mean"] > 0]
+    equivalent = [row for row in final if row["verdict"] == "equivalent"]
+    uncorrected_only = [row for row in final if row["equivalence_p"] <= 0.05 < row["holm_equivalence_p"]]
+    margin = map_margin(s)
+    lost = "; ".join(
+        f"{_cells([row])}: {interval(row)}, TOST p {row['equivalence_p']:.3f}" for row in uncorrected_only
+    )
+    return (
+        f"- **Multiple comparisons.** A family here is one pair of methods on one outcome across the map's "
+        f"{counts['cells']} cells (4 staleness x 2 steps per batch x 2 learning rates); Holm's correction applies "
+        f"within it to the differences and to the equivalence tests (two one-sided tests against ±{margin}, a margin "
+        "taken over from the SmolLM2 confirmation after the map's first run: it was not registered for the map). "
+        f"`loglinear - recompute` in final reward: {counts['uncorrected']} uncorrected intervals exclude 0; after "
+        f"Holm, `loglinear` is ahead in **{counts['ahead']}** ({_cells(ahead)}) and behind in "
+        f"{counts['behind'] or 'none'}; equivalent in {counts['equivalent']} ({_cells(equivalent)}), not resolved in "
+        f"{counts['not resolved']}. Equivalent by their own tests but not within the family: {lost or 'none'}. In "
+        f"the area under the curve: ahead in {auc['ahead']}, behind in {auc['behind'] or 'none'}, equivalent in "
+        f"{auc['equivalent']}, not resolved in {auc['not resolved']}."
+    )
+
+
+# ---- the approximation and the SmolLM2 staleness study: their summaries' first tables ---------------------------
+def approximation_table(s: Summaries) -> str:
+    """The log-linear anchor's difference from the recomputed one, by anchor age (one run per configuration)."""
+    return s.table("approximation/summary.md")
+
+
+def staleness_table(s: Summaries) -> str:
+    """The retired SmolLM2 staleness study, per configuration."""
+    return s.table("staleness/summary.md")
+
+
+# ---- the SmolLM2 confirmation ----------------------------------------------------------------------------------
+def confirmation_table(s: Summaries) -> str:
+    """The pre-registered primary comparison."""
+    lines = [
+        "| difference | seeds | mean [95% interval] | TOST p | verdict |",
+        "|---|---|---|---:|---|",
+    ]
+    for name, row in confirmation_rows(s).items():
+        verdict = "difference" if row["holm_p"] <= 0.05 else "equivalent" if row["equivalent"] else "not resolved"
+        lines.append(
+            f"| `{name}` | {min(row['seeds'])}-{max(row['seeds'])} | {interval(row)} | {row['equivalence_p']:.3f} | "
+            f"{verdict} |"
+        )
+    return "\n".join(lines)
+
+
+# ---- the arm studies -------------------------------------------------------------------------------------------
+def _arm_values(row: dict, unit: str) -> tuple[str, str, str, str]:
+    """A paired row's off, on, difference and 90% TOST interval, printed in its unit."""
+    if unit == "points":
+        return (percent(row["off_mean"]), percent(row["on_mean"]), f"{interval(row, 1, 100)} points",
+                f"[{signed(row['equivalence_low'], 1, 100)}, {signed(row['equivalence_high'], 1, 100)}]")  # fmt: skip
+    digits = 3 if unit == "versions" else 2
+    return (
+        f"{row['off_mean']:.{digits}f}",
+        f"{row['on_mean']:.{digits}f}",
+        interval(row, digits),
+        f"[{signed(row['equivalence_low'], digits)}, {signed(row['equivalence_high'], digits)}]",
+    )
+
+
+def _unit(outcome: str) -> str:
+    return "points" if "accuracy" in outcome else "versions" if "staleness" in outcome else "seconds"
+
+
+def _margin(row: dict, unit: str) -> str:
+    margin = row["equivalence_margin"]
+    return f"±{margin * 100:.0f} points" if unit == "points" else f"±{margin:.2f}"
+
+
+def in_flight_table(s: Summaries) -> str:
+    """Every registered outcome of both settings: the difference and its Holm p, the margin, the two one-sided tests'
+    p and their 90% interval (what decides equivalence), the verdict."""
+    lines = [
+        "| setting, outcome | off | on | on - off [95% interval] | Holm p | margin | TOST p [90% interval] "
+        "| verdict |",
+        "|---|---:|---:|---|---:|---:|---|---|",
+    ]
+    for (setting, outcome), row in in_flight_rows(s).items():
+        unit = _unit(outcome)
+        off, on, difference, tost = _arm_values(row, unit)
+        lines.append(
+            f"| {setting}: {outcome} | {off} | {on} | {difference} | {row['holm_p']:.3f} | {_margin(row, unit)} | "
+            f"{row['equivalence_p']:.3f} {tost} | {row['verdict']} |"
+        )
+    return "\n".join(lines)
+
+
+def in_flight_equivalence(s: Summaries) -> str:
+    """How equivalence is decided here, and what Holm over the two settings would change."""
+    rows = in_flight_rows(s)
+    families: dict[str, list[dict]] = {}
+    for row in rows.values():
+        families.setdefault(row["family"], []).append(row)
+    changed = []
+    for family in families.values():
+        for row, adjusted in zip(family, holm([r["equivalence_p"] for r in family])):
+            if row["verdict"] == "equivalent" and adjusted > 0.05:
+                changed.append(f"{row['setting']}: {row['outcome']} (TOST p {adjusted:.3f} after Holm)")
+    step = rows[("main", "s per optimizer step")]
+    return (
+        "Equivalence is decided by two one-sided tests at level 0.05, that is by the 90% interval lying inside the "
+        "margin; the 95% interval beside it may cross the margin (main's step time: "
+        f"{interval(step, 2)} s against ±{step['equivalence_margin']:.2f} s, its 90% interval "
+        f"[{signed(step['equivalence_low'], 2)}, {signed(step['equivalence_high'], 2)}]). As registered, Holm's "
+        "correction applies to the differences within each outcome's family, not to the equivalence tests; with it, "
+        f"these would not be shown equivalent: {'; '.join(changed) if changed else 'none'}."
+    )
+
+
+def dynamic_sampling_table(s: Summaries) -> str:
+    """The registered outcomes, each its own family."""
+    lines = [
+        "| outcome (on - off) | off | on | on - off [95% interval] | p | margin | TOST p [90% interval] | verdict |",
+        "|---|---:|---:|---|---:|---:|---|---|",
+    ]
+    for row in s.json("dynamic-sampling/summary.json")["paired"]:
+        unit = _unit(row["outcome"])
+        off, on, difference, tost = _arm_values(row, unit)
+        lines.append(
+            f"| {row['outcome']} | {off} | {on} | {difference} | {row['p']:.3f} | {_margin(row, unit)} | "
+            f"{row['equivalence_p']:.3f} {tost} | {row['verdict']} |"
+        )
+    return "\n".join(lines)
+
+
+# ---- the main job ----------------------------------------------------------------------------------------------
+def main_job_table(s: Summaries) -> str:
+    """The demo's accuracy before and after, its paired gain, and stock GRPOTrainer on the same seed."""
+    demo = s.json("demo-smollm2.json")
+    before, after, test = demo["before"], demo["after"], demo["paired_test"]
+    trl = s.json("time-to-accuracy/summary.json")["configs"]["trl"]["per_seed"][str(demo["seed"])]
+    return "\n".join(
+        [
+            "| | accuracy | |",
+            "|---|---:|---|",
+            f"| before training | {percent(before['accuracy'])} +- {percent(before['stderr'])} | "
+            f"{before['num_correct']} / {before['count']} |",
+            f"| after {demo['global_step']} steps | **{percent(after['accuracy'])} +- {percent(after['stderr'])}** | "
+            f"{after['num_correct']} / {after['count']} |",
+            f"| gain (paired) | **{test['gain']:+.1%} +- {percent(test['stderr'])}** | {test['improved']} problems "
+            f"fixed, {test['regressed']} broken, McNemar p = {test['p_value']:.3f} |",
+            f"| stock `GRPOTrainer`, same seed | {percent(trl['before'])} -> {percent(trl['after'])}, "
+            f"{trl['gain']:+.1%} +- {percent(trl['gain_stderr'])} | `trl@{demo['seed']}` of the time-to-accuracy "
+            f"study, p = {trl['p_value']:.3f} |",
+            "",
+            f"Mean completion length of the held-out greedy answers: {before['mean_completion_tokens']:.1f} tokens "
+            f"before training, {after['mean_completion_tokens']:.1f} after. Run time "
+            f"{demo['total_seconds'] / 60:.1f} min ({demo['train_seconds'] / 60:.1f} min training, "
+            f"{before['seconds'] / 60:.1f} + {after['seconds'] / 60:.1f} min for the two evaluations).",
+        ]
+    )
+
+
+BLOCKS = {
+    "step-time": step_time_table,
+    "step-time-micro-operation": micro_operation,
+    "time-to-accuracy": time_to_accuracy_tables,
+    "time-to-accuracy-speed": time_to_accuracy_speed,
+    "proximal-map-final-reward": proximal_map_table,
+    "proximal-map-families": proximal_map_families,
+    "approximation": approximation_table,
+    "staleness": staleness_table,
+    "confirmation": confirmation_table,
+    "in-flight": in_flight_table,
+    "in-flight-equivalence": in_flight_equivalence,
+    "dynamic-sampling": dynamic_sampling_table,
+    "main-job": main_job_table,
+}
