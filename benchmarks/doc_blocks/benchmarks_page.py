@@ -14,6 +14,7 @@ from .studies import (
     map_cell,
     map_family_counts,
     map_margin,
+    oracle_summary,
     step_time_speedups,
 )
 
@@ -271,7 +272,34 @@ def main_job_table(s: Summaries) -> str:
     )
 
 
+# ---- the oracle study (benchmarks/oracle.py) ----------------------------------------------------------------------
+def oracle_tables(s: Summaries) -> str:
+    """The estimators' errors, the fitted weights' reductions and the guard defaults' evidence, as the summary
+    writes them."""
+    name = "oracle/summary.md"
+    return "\n\n".join(s.table(name, index) for index in (0, 1, 4))
+
+
+def oracle_decision(s: Summaries) -> str:
+    """The registered decisions: the fitted weight, and the guard's defaults."""
+    summary = oracle_summary(s)
+    verdict, defaults = summary["decision"], summary["guard_defaults"]
+    meeting = ", ".join(f"`{n}`" for n in verdict["meeting"]) or "none"
+    pooled = defaults["pooled_agreement"]
+    agreement = ", ".join(f"{pooled[str(lag)]:.0%} at L={lag}" for lag in (1, 2, 4, 8) if pooled[str(lag)] is not None)
+    built = "build it" if verdict["build_fitted_weight"] else "do not build it: the guard is built alone"
+    return (
+        f"**Decision, by the registered rule** (a fitted weight iff it cuts the error by 25% on more than half of the "
+        f"configurations): {built}. Configurations meeting the threshold: {len(verdict['meeting'])} of "
+        f"{verdict['configurations']} ({meeting}). **The guard's defaults, by the addendum's rules**: "
+        f"`prox_error_budget={defaults['budget']:g}`, `prox_check_interval={defaults['interval']}` (a check of batch "
+        f"i - L decides for batch i as batch i's own check does: {agreement}, pooled over the configurations)."
+    )
+
+
 BLOCKS = {
+    "oracle": oracle_tables,
+    "oracle-decision": oracle_decision,
     "step-time": step_time_table,
     "step-time-micro-operation": micro_operation,
     "time-to-accuracy": time_to_accuracy_tables,

@@ -11,6 +11,7 @@ from .studies import (
     map_cell,
     map_family_counts,
     map_margin,
+    oracle_summary,
     step_time_speedups,
 )
 
@@ -95,6 +96,27 @@ def proximal_row(s: Summaries) -> tuple[str, str, str]:
         f"batch, {len(primary['seeds'])} seeds: {interval(primary)}, {verdict}, leaning towards {leaning}",
         "the map on the tiny model; SmolLM2 pre-registered "
         f"({_link('confirmation', 'smollm2-with-four-optimizer-steps-per-generation-batch-pre-registered')})",
+    )
+
+
+def oracle_row(s: Summaries) -> tuple[str, str, str]:
+    summary = oracle_summary(s)
+    smollm2 = [c["relative"]["fixed"] for c in summary["smollm2"].values()]
+    tiny = [c["relative"]["fixed"] for c in summary["map"].values()]
+    reductions = [c["reduction"]["fitted_d"]["pooled"] * 100 for c in summary["configurations"].values()]
+    defaults = summary["guard_defaults"]
+    built = "built" if summary["decision"]["build_fitted_weight"] else "not built"
+    link = _link("the oracle study", "the-oracle-study-benchmarksoraclepy")
+    fitted = f"{min(reductions):+.0f}% to {max(reductions):+.0f}%"
+    return (
+        "**How far A-3PO's interpolation is from its target**",
+        "mean error of the interpolated anchor against the exact log-probs of the version it targets, over one "
+        f"optimizer step's drift: {span(smollm2, '.2f')} on SmolLM2, {span(tiny, '.2f')} on the tiny map (1.0: as "
+        f"far as the trained weights); a weight fitted per staleness changes it by {fitted}: "
+        f'{built}. `prox_logp_method="guarded"` checks it every {defaults["interval"]} batch(es) and trains with '
+        f"`recompute`'s anchor while it exceeds {defaults['budget']:g}; whether that pays is registered, not yet "
+        "measured",
+        f"{len(summary['configurations'])} configurations, every trained token ({link})",
     )
 
 
@@ -197,6 +219,7 @@ ROWS = (
     accuracy_row,
     staleness_row,
     proximal_row,
+    oracle_row,
     proximal_cost_row,
     in_flight_row,
     dynamic_sampling_row,

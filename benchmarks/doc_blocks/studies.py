@@ -89,3 +89,12 @@ def confirmation_step_time(s: Summaries) -> dict:
 def in_flight_rows(s: Summaries) -> dict[tuple[str, str], dict]:
     """The in-flight study's paired outcomes, by (setting, outcome)."""
     return {(row["setting"], row["outcome"]): row for row in s.json("in-flight/summary.json")["paired"]}
+
+
+def oracle_summary(s: Summaries) -> dict:
+    """The oracle study's summary (``benchmarks/oracle.py``), with its configurations split by model."""
+    summary = s.json("oracle/summary.json")
+    configurations = summary["configurations"]
+    summary["smollm2"] = {n: c for n, c in configurations.items() if not n.startswith("map-")}
+    summary["map"] = {n: c for n, c in configurations.items() if n.startswith("map-")}
+    return summary
