@@ -48,6 +48,11 @@ BATCH_SPAN = "batch"
 """Name of the span covering the whole production of one generation batch (its parts are nested in it)."""
 STEP_SPAN = "step"
 """Name of the span covering one optimizer step of the trainer (its parts are nested in it)."""
+THREAD_CPU_ARG = "thread_cpu_s"
+"""The arg of each batch span: the CPU seconds its thread ran during it (``time.thread_time()``, read in that thread;
+the training thread's are the process's main thread's, which a caller can read itself), against the span's wall
+seconds: a thread near its wall time was bound by its own work (its Python, kernel launches, CPU ops, a spin-wait for
+a device), one far below it waited (for the other thread, a lock, the GIL, I/O or a blocking device wait)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,15 +232,17 @@ _open = threading.local()
 def batch_span(recorder: TimelineRecorder, lane: str, name: str = BATCH_SPAN, **args):
     """Record the with-block as a span on ``lane`` and make it the calling thread's open batch span: spans recorded
     by :func:`record_in_batch_span` inside the block (from backends and rollouts, which do not hold the recorder) go
-    to ``recorder`` on ``lane`` with the same ``args``. Yields ``args``, which the block may fill in."""
+    to ``recorder`` on ``lane`` with the same ``args``. Yields ``args``, which the block may fill in. The span itself
+    also carries the calling thread's CPU seconds in the block (:data:`THREAD_CPU_ARG`)."""
     previous = getattr(_open, "context", None)
     _open.context = (recorder, lane, args)
-    start = time.perf_counter()
+    cpu_start, start = time.thread_time(), time.perf_counter()
     try:
         yield args
     finally:
         _open.context = previous
-        recorder.record(lane, name, start, time.perf_counter(), args)
+        own = {**args, THREAD_CPU_ARG: time.thread_time() - cpu_start}  # the batch's own: not its parts'
+        recorder.record(lane, name, start, time.perf_counter(), own)
 
 
 def record_in_batch_span(name: str, start: float, end: float, **args) -> None:

@@ -3,14 +3,13 @@ runs' records and the requirements it judged (``[sentence, holds]``, see :func:`
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import platform
 import tempfile
 
 import torch
 
-from . import verdict
+from . import verdict, versions
 from .figures import LOGGED
 from .model import VOCAB_SIZE, build_model, build_prompts, build_tokenizer, model_config
 from .runs import TRAINERS, Run, Setup, run_one
@@ -28,22 +27,36 @@ PAIRS = {
 #: generation batch grows with it).
 MAX_ACCUMULATION = {"cpu": 4, "cuda": 8}
 
+#: The run whose steady step is traced with torch.profiler (check, run kind): the main case, overlapped.
+TRACED_RUN = ("full-bf16", "a3po-s1")
+#: Where the traced run writes its trace (set by the check process from ``--trace``; None: no trace).
+TRACE_PATH: str | None = None
+
+#: Optimizer steps of the ``peaked`` check's runs: its figure is the mismatch, not the time.
+PEAKED_STEPS = 3
+
 
 def make_setup(cpu: bool, steps: int, size: str | None = None) -> Setup:
     tokenizer = build_tokenizer(VOCAB_SIZE["cpu" if cpu else "gpu"])
     config = model_config(tokenizer, size or ("tiny" if cpu else "full"))
-    return Setup(cpu=cpu, steps=steps, tokenizer=tokenizer, config=config, dataset=build_prompts())
+    return Setup(
+        cpu=cpu, steps=steps, tokenizer=tokenizer, config=config, dataset=build_prompts(), trace_path=TRACE_PATH
+    )
 
 
 # ---- the checks -----------------------------------------------------------------------------------------------------
 def environment(cpu: bool, steps: int) -> dict:
-    """The machine and the library versions; on a GPU plan, that CUDA is there."""
-    versions = {}
+    """The library versions against the windows pyproject.toml declares (first: a version outside its window fails
+    the check at once, and the parent skips every other check), the machine; on a GPU plan, that CUDA is there."""
+    installed = {}
     for package in ("torch", "transformers", "trl", "accelerate", "peft", "datasets", "vllm"):
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            versions[package] = None
+        installed[package] = versions.installed_version(package)
+    outside = versions.outside_windows()
+    if outside:
+        for problem in outside:
+            print(f"  {problem}", flush=True)
+        figures_ = {"versions": installed, "versions_outside_windows": outside}
+        return {"environment": figures_, "requirements": [[problem, False] for problem in outside]}
     setup = make_setup(cpu, steps)
     parameters = sum(p.numel() for p in build_model(setup.config, torch.bfloat16, "meta").parameters())
     cuda = torch.cuda.is_available()
@@ -54,7 +67,8 @@ def environment(cpu: bool, steps: int) -> dict:
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-        "versions": versions,
+        "versions": installed,
+        "versions_outside_windows": [],
         "model": "tiny Qwen2 (CPU)" if cpu else "Qwen2.5-0.5B-Instruct architecture, random weights",
         "parameters": parameters,
         "hidden_size": setup.config.hidden_size,
@@ -70,22 +84,41 @@ def pair(name: str, cpu: bool, steps: int) -> dict:
     """AsyncA3POTrainer at staleness 1 and 0 and GRPOTrainer, on LoRA or full weights loaded in bf16 or fp32."""
     weights, dtype = PAIRS[name]
     setup = make_setup(cpu, steps)
-    runs = [run_one(Run(f"{kind}/{name}", kind, weights, dtype), setup) for kind in TRAINERS]
-    return {"runs": runs, **compare_with_grpo(runs)}
+    runs = [
+        run_one(Run(f"{kind}/{name}", kind, weights, dtype, trace=(name, kind) == TRACED_RUN), setup)
+        for kind in TRAINERS
+    ]
+    return {"runs": runs, **compare(runs)}
 
 
-def compare_with_grpo(runs: list[dict]) -> dict:
+def compare(runs: list[dict]) -> dict:
     """Each AsyncA3POTrainer run's seconds per step over GRPOTrainer's on the same work (below 1: faster), and over
-    the ideal ``max(generation, training)`` of its own timeline."""
+    the ideal: ``max(generation, training)`` per step of the synchronous run (``a3po-s0``) on the same work, each
+    thread's busy seconds there (at staleness 0 the two threads take turns, so neither slows the other down: the
+    asynchronous run's own busy times are inflated by the contention of the overlap)."""
     grpo = next((run["seconds_per_step"] for run in runs if run["trainer"] == "GRPOTrainer"), None)
-    out = {"vs_grpo": {}, "vs_ideal": {}}
+    synchronous = next((run for run in runs if run["kind"] == "a3po-s0"), None)
+    timed = (synchronous or {}).get("time") or {}
+    generation, training = timed.get("generation_busy"), timed.get("training_busy")
+    ideal = max(generation, training) if generation is not None and training is not None else None
+    out = {
+        "vs_grpo": {},
+        "vs_ideal": {},
+        "ideal": {
+            "seconds_per_step": ideal,
+            "from": synchronous["name"] if synchronous else None,
+            "generation_busy": generation,
+            "training_busy": training,
+        },
+    }
     for run in runs:
         if run["trainer"] == "AsyncA3POTrainer":
             out["vs_grpo"][run["name"]] = verdict.ratio(run["seconds_per_step"], grpo)
-            out["vs_ideal"][run["name"]] = (run.get("time") or {}).get("step_over_ideal")
+            out["vs_ideal"][run["name"]] = verdict.ratio(run["seconds_per_step"], ideal)
             print(
                 f"  {run['name']}: s/step {fmt(run['seconds_per_step'])}, x{fmt(out['vs_grpo'][run['name']])} "
-                f"GRPOTrainer's, x{fmt(out['vs_ideal'][run['name']])} the ideal",
+                f"GRPOTrainer's, x{fmt(out['vs_ideal'][run['name']])} the ideal {fmt(ideal)} s (max(generation, "
+                f"training) of {out['ideal']['from']})",
                 flush=True,
             )
     return out
@@ -95,9 +128,9 @@ def balanced(cpu: bool, steps: int) -> dict:
     """A size where training and generation take about the same time, where the overlap pays most: a short
     synchronous run measures both per step; gradient accumulation ``k`` then multiplies the training work per
     generation batch (generation, bound by its token-by-token decoding on a GPU, grows much less), and
-    AsyncA3POTrainer at staleness 1 runs against GRPOTrainer at that size."""
+    AsyncA3POTrainer at staleness 1 and 0 (the ideal's) runs against GRPOTrainer at that size."""
     setup = make_setup(cpu, steps)
-    calibration = run_one(Run("calibration/full-bf16", "a3po-s0", "full", torch.bfloat16, steps=2), setup)
+    calibration = run_one(Run("calibration/full-bf16", "a3po-s0", "full", torch.bfloat16, steps=3), setup)
     timed = calibration.get("time") or {}
     generation, training = timed.get("generation"), timed.get("training")
     limit = MAX_ACCUMULATION[setup.device]
@@ -105,10 +138,9 @@ def balanced(cpu: bool, steps: int) -> dict:
     print(f"  calibration: generation {fmt(generation)} s, training {fmt(training)} s per step -> accumulation {k}")
     size = {"gradient_accumulation_steps": k}
     runs = [
-        run_one(Run(f"a3po-s1/balanced-x{k}", "a3po-s1", "full", torch.bfloat16, settings=size), setup),
-        run_one(Run(f"grpo/balanced-x{k}", "grpo", "full", torch.bfloat16, settings=size), setup),
+        run_one(Run(f"{kind}/balanced-x{k}", kind, "full", torch.bfloat16, settings=size), setup) for kind in TRAINERS
     ]
-    after = runs[0].get("time") or {}
+    after = runs[1].get("time") or {}  # the synchronous run at that size: its threads took turns
     balance = verdict.ratio(after.get("generation"), after.get("training"))
     print(f"  generation/training per step at accumulation {k}: {fmt(balance)}", flush=True)
     return {
@@ -116,7 +148,7 @@ def balanced(cpu: bool, steps: int) -> dict:
         "calibration": {"generation": generation, "training": training},
         "gradient_accumulation_steps": k,
         "generation_over_training": balance,
-        **compare_with_grpo(runs),
+        **compare(runs),
     }
 
 
@@ -127,7 +159,8 @@ def peaked(cpu: bool, steps: int) -> dict:
     setup = make_setup(cpu, steps)
     runs = []
     for precision, bf16 in (("bf16", True), ("fp32", False)):
-        run = Run(f"a3po-s0/peaked-{precision}", "a3po-s0", "full", torch.float32, {"bf16": bf16}, peaked=True)
+        name = f"a3po-s0/peaked-{precision}"
+        run = Run(name, "a3po-s0", "full", torch.float32, {"bf16": bf16}, peaked=True, steps=PEAKED_STEPS)
         runs.append(run_one(run, setup))
     runs[0]["judge_mismatch"] = False  # the bf16 mismatch is what this check shows, not a fault
     mismatch = {}
@@ -224,7 +257,7 @@ def vllm_colocate(cpu: bool, steps: int) -> dict:
     for kind in ("a3po-s0", "a3po-s1"):
         runs.append(run_one(Run(f"{kind}/vllm-colocate", kind, "full", dtype, settings), setup))
         runs[-1]["backend"] = "vllm-colocate"
-    return {"runs": runs}
+    return {"runs": runs, **compare(runs)}
 
 
 def fmt(value) -> str:

@@ -1,6 +1,6 @@
-"""What one training run measures: per step (seconds, peak device memory, logged values), the time breakdown of the
-two threads from the trainer's timeline, the generator's weights against the trainer's after a weight sync, and
-memory against the memory plan."""
+"""What one training run measures: per step (seconds, the main thread's CPU seconds, peak device memory allocated and
+reserved, logged values), the time breakdown of the two threads from the trainer's timeline over the steady steps,
+the generator's weights against the trainer's after a weight sync, and memory against the memory plan."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from collections import Counter
 import torch
 from transformers import TrainerCallback
 
-from a3po_trl.timeline import STEP_SPAN, TRAINING_LANE
-from a3po_trl.timeline.plot import layout_timeline
+from a3po_trl.timeline import BATCH_SPAN, GENERATION_LANE, STEP_SPAN, THREAD_CPU_ARG, TRAINING_LANE
+from a3po_trl.timeline.plot import WAITS, _busy, _measure
 
 #: Logged values recorded per step: the name in the JSON -> the name the trainer logs.
 LOGGED = {
@@ -28,14 +28,19 @@ LOGGED = {
 
 
 class StepRecorder(TrainerCallback):
-    """Per optimizer step: wall seconds since the previous step ended (the first: since training began), peak device
-    memory allocated in that interval (generation thread included; None on CPU), and the values in ``LOGGED``;
-    printed as each step is logged."""
+    """Per optimizer step: wall seconds since the previous step ended (the first: since training began), the CPU
+    seconds of the main thread (the training thread; GRPOTrainer's only one) in that interval (``time.thread_time``:
+    the callbacks run in it), peak device memory allocated and reserved by torch's caching allocator in that interval
+    (generation thread included; None on CPU), and the values in ``LOGGED``; printed as each step is logged. Also
+    the allocator's retries (``num_alloc_retries``: a cudaMalloc that failed, the cache freed and tried again, a
+    synchronizing stall) during the run."""
 
     def __init__(self, run_name: str, device: str):
         self.run_name, self.device = run_name, device
         self.steps: list[dict] = []
         self._last = None
+        self._cpu_last = 0.0
+        self._retries_at_start = 0
 
     def _reset_peak(self):
         if self.device == "cuda":
@@ -43,16 +48,33 @@ class StepRecorder(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._reset_peak()
-        self._last = time.perf_counter()
+        self._retries_at_start = self._retries() or 0
+        self._last, self._cpu_last = time.perf_counter(), time.thread_time()
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.device == "cuda":
             torch.cuda.current_stream().synchronize()  # the step's kernels are done: its time is its own
-        now = time.perf_counter()
-        peak = torch.cuda.max_memory_allocated() if self.device == "cuda" else None
-        self.steps.append({"step": state.global_step, "seconds": now - self._last, "peak_memory_bytes": peak})
+        now, cpu = time.perf_counter(), time.thread_time()
+        cuda = self.device == "cuda"
+        self.steps.append(
+            {
+                "step": state.global_step,
+                "seconds": now - self._last,
+                "thread_cpu_s": cpu - self._cpu_last,
+                "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+                "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None,
+            }
+        )
         self._reset_peak()
-        self._last = now
+        self._last, self._cpu_last = now, cpu
+
+    def _retries(self) -> int | None:
+        return torch.cuda.memory_stats().get("num_alloc_retries", 0) if self.device == "cuda" else None
+
+    def alloc_retries(self) -> int | None:
+        """The caching allocator's retries since training began (None on CPU)."""
+        retries = self._retries()
+        return None if retries is None else retries - self._retries_at_start
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not self.steps or self.steps[-1]["step"] != state.global_step or "loss" not in (logs or {}):
@@ -63,9 +85,11 @@ class StepRecorder(TrainerCallback):
 
 
 def format_step(step: dict) -> str:
-    parts = [f"step {step['step']}", f"{step['seconds']:.2f} s"]
+    parts = [f"step {step['step']}", f"{step['seconds']:.2f} s", f"main thread cpu {step['thread_cpu_s']:.2f} s"]
     if step.get("peak_memory_bytes") is not None:
-        parts.append(f"peak {step['peak_memory_bytes'] / 2**30:.2f} GiB")
+        parts.append(
+            f"peak {step['peak_memory_bytes'] / 2**30:.2f} GiB (reserved {step['peak_reserved_bytes'] / 2**30:.2f})"
+        )
     parts.append(f"loss {step.get('loss', float('nan')):.4g}")
     if "behavior_mismatch_mean" in step:
         parts.append(f"mismatch mean {step['behavior_mismatch_mean']:.2e} max {step['behavior_mismatch_max']:.2e}")
@@ -76,11 +100,23 @@ def format_step(step: dict) -> str:
     return ", ".join(parts)
 
 
-def seconds_per_step(steps: list[dict]) -> float | None:
-    """Mean seconds of the steps after the first (all of them when there is one)."""
-    seconds = [step["seconds"] for step in steps]
-    timed = seconds[1:] or seconds
-    return sum(timed) / len(timed) if timed else None
+def steady_steps(recorded: list[int], untimed: tuple[int, ...] = ()) -> list[int]:
+    """The steps timed: the recorded ones but the first (it builds the generator and fills the pipeline), the last
+    (with max_staleness >= 1 the generator has nothing left to generate during it: the pipeline drains) and
+    ``untimed`` (a step profiled with every op recorded); the steps after the first where that leaves none, and all
+    of them where there is one."""
+    return [step for step in recorded[1:-1] if step not in untimed] or recorded[1:] or recorded
+
+
+def mean_of(steps: list[dict], key: str, timed: list[int]) -> float | None:
+    """Mean of ``key`` over the recorded steps in ``timed``."""
+    values = [step[key] for step in steps if step["step"] in timed and step.get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
+def seconds_per_step(steps: list[dict], timed: list[int]) -> float | None:
+    """Mean wall seconds of the ``timed`` steps."""
+    return mean_of(steps, "seconds", timed)
 
 
 # ---- dtypes and weights ---------------------------------------------------------------------------------------------
@@ -199,23 +235,35 @@ def pinned_host_bytes() -> dict | None:
     }
 
 
-def memory_figures(trainer, steps: list[dict], device: str) -> dict:
-    """Peak device memory of the run and pinned host bytes, against the memory plan's prediction (the model's own
-    weights plus what the plan says the generator and training's pending state add; activations and the KV cache
-    are not in it). Measured figures are None on CPU."""
+def device_memory(steps: list[dict], alloc_retries: int | None) -> dict:
+    """A run's peak device memory allocated (tensors) and reserved (what torch's caching allocator holds from CUDA:
+    what the device must have), over its steps, and the allocator's retries; None on CPU."""
+    allocated = [step["peak_memory_bytes"] for step in steps if step.get("peak_memory_bytes") is not None]
+    reserved = [step["peak_reserved_bytes"] for step in steps if step.get("peak_reserved_bytes") is not None]
+    return {
+        "peak_device_bytes": max(allocated) if allocated else None,
+        "peak_reserved_bytes": max(reserved) if reserved else None,
+        "num_alloc_retries": alloc_retries,
+    }
+
+
+def memory_figures(trainer, steps: list[dict], device: str, alloc_retries: int | None) -> dict:
+    """Peak device memory of the run (:func:`device_memory`) and pinned host bytes, against the memory plan's
+    prediction (the model's own weights plus what the plan says the generator and training's pending state add;
+    activations and the KV cache are not in it). Measured figures are None on CPU."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     model_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     backend = getattr(getattr(trainer, "last_batch_producer", None), "backend", None)
     plan = planned_memory(backend) if backend is not None else None
-    peaks = [step["peak_memory_bytes"] for step in steps if step.get("peak_memory_bytes") is not None]
-    peak = max(peaks) if peaks else None
+    measured = device_memory(steps, alloc_retries)
+    peak = measured["peak_device_bytes"]
     predicted = model_bytes + plan["device"] if plan is not None else None
     pinned = pinned_host_bytes() if device == "cuda" else None
     return {
         "model_bytes": model_bytes,
         "plan_device_bytes": plan["device"] if plan else None,
         "predicted_device_bytes": predicted,
-        "peak_device_bytes": peak,
+        **measured,
         "peak_over_predicted": peak / predicted if peak is not None and predicted else None,
         "plan_host_bytes": plan["host"] if plan else None,
         "pinned_host_bytes": (
@@ -243,39 +291,64 @@ PARTS = {
 }
 
 
-def time_breakdown(events: list[dict]) -> dict | None:
-    """Seconds per optimizer step of an AsyncA3POTrainer run, from its timeline (Chrome trace events), over the steps
-    after the first (the first builds the generator and fills the pipeline): each part of ``PARTS``, ``training``
-    (forward/backward, optimizer step, recompute and reference forwards) and ``weight_sync`` (publication and load),
-    each thread's busy time (its spans minus its waits), the step as it was, and the ideal
-    ``max(generation busy, training busy)`` a perfect overlap would reach. None when no step was recorded."""
-    steps = [e for e in events if e.get("ph") == "X" and e["cat"] == TRAINING_LANE and e["name"] == STEP_SPAN]
-    if not steps:
+def time_breakdown(events: list[dict], timed: list[int]) -> dict | None:
+    """Seconds per optimizer step of an AsyncA3POTrainer run, from its timeline (Chrome trace events), over the
+    ``timed`` steps (see :func:`steady_steps`), each from the end of the step before it to its own end: each part of
+    ``PARTS``, ``training`` (forward/backward, optimizer step, recompute and reference forwards) and ``weight_sync``
+    (publication and load), each thread's busy time (its spans minus its waits), the generation thread's CPU seconds
+    (``generation_thread_cpu``: each batch span's, shared out over the steps by when the batch was busy) and the step
+    as it was. None when no timed step was recorded."""
+    spans = [e for e in events if e.get("ph") == "X"]
+    training = [e for e in spans if e["cat"] == TRAINING_LANE]
+    generation = [e for e in spans if e["cat"] == GENERATION_LANE]
+    ends = {e["args"].get("step"): e for e in training if e["name"] == STEP_SPAN}
+    windows = []
+    for step in timed:
+        if step in ends:
+            before = ends.get(step - 1)  # the step before: its end (none recorded, a resumed run's first: its start)
+            start = before["ts"] + before["dur"] if before is not None else ends[step]["ts"]
+            windows.append((start / 1e6, (ends[step]["ts"] + ends[step]["dur"]) / 1e6))
+    if not windows:
         return None
-    window = steps[1:] or steps
-    start, end = window[0]["ts"] / 1e6, (window[-1]["ts"] + window[-1]["dur"]) / 1e6
-    count = len(window)
-    totals = dict.fromkeys(PARTS, 0.0)
-    for event in events:
-        if event.get("ph") != "X":
-            continue
-        overlap = min((event["ts"] + event["dur"]) / 1e6, end) - max(event["ts"] / 1e6, start)
-        for part, names in PARTS.items():
-            if event["name"] in names and overlap > 0:
-                totals[part] += overlap
-    per_step = {part: seconds / count for part, seconds in totals.items()}
-    per_step["training"] = sum(
-        per_step[p] for p in ("forward_backward", "optimizer_step", "recompute_forward", "reference_forward")
+    count = len(windows)
+
+    def per_step(intervals) -> float:
+        return sum(_measure(intervals, start, end) for start, end in windows) / count
+
+    per = {part: per_step([_seconds(e) for e in spans if e["name"] in names]) for part, names in PARTS.items()}
+    per["training"] = sum(
+        per[p] for p in ("forward_backward", "optimizer_step", "recompute_forward", "reference_forward")
     )
-    per_step["weight_sync"] = per_step["weight_load"] + per_step["publish_weights"]
-    overlap = layout_timeline(events, last_steps=count).overlap
-    per_step["training_busy"] = overlap.training_busy / count
-    per_step["generation_busy"] = overlap.generation_busy / count
-    per_step["step"] = overlap.actual / count
-    per_step["ideal_step"] = max(overlap.training_busy, overlap.generation_busy) / count
-    per_step["step_over_ideal"] = overlap.actual / max(overlap.training_busy, overlap.generation_busy, 1e-9)
-    per_step["steps_timed"] = count
-    return per_step
+    per["weight_sync"] = per["weight_load"] + per["publish_weights"]
+    per["training_busy"] = per_step(_busy(training))
+    per["generation_busy"] = per_step(_busy(generation))
+    per["step"] = sum(end - start for start, end in windows) / count
+    per["generation_thread_cpu"] = generation_thread_cpu(generation, windows, count)
+    per["steps_timed"] = [step for step in timed if step in ends]
+    return per
+
+
+def _seconds(event: dict) -> tuple[float, float]:
+    return event["ts"] / 1e6, (event["ts"] + event["dur"]) / 1e6
+
+
+def generation_thread_cpu(generation: list[dict], windows: list[tuple[float, float]], count: int) -> float | None:
+    """The generation thread's CPU seconds per step in ``windows``: each batch span's (:data:`THREAD_CPU_ARG`, read in
+    that thread), shared out over the windows by the batch's busy time in each (its span minus its waits). None when
+    no batch span carries it."""
+    batches = [e for e in generation if e["name"] == BATCH_SPAN and THREAD_CPU_ARG in e["args"]]
+    if not batches:
+        return None
+    waits = [e for e in generation if e["name"] in WAITS]
+    total = 0.0
+    for batch in batches:
+        start, end = _seconds(batch)
+        busy = _busy([batch] + [w for w in waits if start <= w["ts"] / 1e6 < end])
+        length = sum(b - a for a, b in busy)
+        if length > 0:
+            share = sum(_measure(busy, a, b) for a, b in windows) / length
+            total += batch["args"][THREAD_CPU_ARG] * share
+    return total / count
 
 
 class GenerationTimer:
@@ -295,11 +368,18 @@ class GenerationTimer:
 
         trainer._generate_and_score_completions = timed
 
-    def breakdown(self, steps: list[dict]) -> dict | None:
-        """Seconds per step after the first: ``generation`` and ``training`` (the step's other seconds)."""
-        if len(steps) < 1 or not self.seconds:
+    def breakdown(self, steps: list[dict], timed: list[int]) -> dict | None:
+        """Seconds per step over the ``timed`` steps: ``generation`` (one generation batch per optimizer step, the
+        ``k``-th batch for step ``k``) and ``training`` (the step's other seconds)."""
+        window = [step for step in steps if step["step"] in timed and step["step"] <= len(self.seconds)]
+        if not window:
             return None
-        window = steps[1:] or steps
-        generation = sum(self.seconds[len(steps) - len(window) :]) / len(window)
-        step = sum(s["seconds"] for s in window) / len(window)
-        return {"generation": generation, "training": step - generation, "step": step, "steps_timed": len(window)}
+        generation = sum(self.seconds[step["step"] - 1] for step in window) / len(window)
+        seconds = sum(step["seconds"] for step in window) / len(window)
+        timed_steps = [step["step"] for step in window]
+        return {
+            "generation": generation,
+            "training": seconds - generation,
+            "step": seconds,
+            "steps_timed": timed_steps,
+        }

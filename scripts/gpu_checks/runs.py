@@ -1,4 +1,5 @@
-"""One training run of the GPU check: build a fresh model and trainer, train, and measure (see :mod:`.figures`)."""
+"""One training run of the GPU check: build a fresh model and trainer, train, and measure (see :mod:`.figures` and
+:mod:`.bound`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import gc
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -15,11 +17,15 @@ from transformers import PrinterCallback
 
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
 
-from . import figures
+from . import bound, figures, profiling
 from . import model as parts
 
 #: The trainers of a pair: name -> (trainer, max_staleness for AsyncA3POTrainer).
 TRAINERS = {"a3po-s1": ("AsyncA3POTrainer", 1), "a3po-s0": ("AsyncA3POTrainer", 0), "grpo": ("GRPOTrainer", None)}
+
+#: Called with every run's record as it is finished (the check process writes its partial result with it, so that a
+#: check killed at its timeout keeps the runs it finished).
+on_record: Callable[[dict], None] | None = None
 
 
 @dataclass
@@ -31,6 +37,8 @@ class Setup:
     tokenizer: object
     config: object
     dataset: object
+    trace_path: str | None = None
+    """Where the run marked ``trace`` writes its torch.profiler trace (None: no trace)."""
 
     @property
     def device(self) -> str:
@@ -50,6 +58,9 @@ class Run:
     peaked: bool = False
     steps: int | None = None
     """Optimizer steps (None: the check's ``--steps``)."""
+    trace: bool = False
+    """Write the torch.profiler trace of a steady step (every thread's ops, and the device's) to the setup's
+    ``trace_path``: the run trains one step more, and the traced step is not timed."""
 
 
 def run_one(run: Run, setup: Setup, output_dir: str | None = None, train_kwargs: dict | None = None) -> dict:
@@ -57,6 +68,11 @@ def run_one(run: Run, setup: Setup, output_dir: str | None = None, train_kwargs:
     ``output_dir``: where the trainer writes (a temporary folder when None); ``train_kwargs``: passed to ``train``."""
     trainer_name, max_staleness = TRAINERS[run.kind]
     steps = run.steps or setup.steps
+    trace_path = setup.trace_path if run.trace else None
+    steps += 1 if trace_path else 0
+    # a steady step: the second to last (the last drains the pipeline); profiled on a GPU for the device's busy time
+    profiler = profiling.StepProfiler(steps - 1, cuda=not setup.cpu, trace_path=trace_path)
+    untimed = (profiler.step,) if trace_path else ()
     record = {
         "name": run.name,
         "kind": run.kind,
@@ -105,43 +121,67 @@ def run_one(run: Run, setup: Setup, output_dir: str | None = None, train_kwargs:
             )
             trainer.remove_callback(PrinterCallback)  # StepRecorder prints each step instead of the raw log dicts
             trainer.add_callback(recorder)
+            trainer.add_callback(profiler)
             timer = figures.GenerationTimer(trainer) if trainer_name == "GRPOTrainer" else None
             print(f"  built in {time.perf_counter() - started:.1f} s; training {steps} steps", flush=True)
             trainer.train(**(train_kwargs or {}))
             record["final_step"] = trainer.state.global_step
+            timed = figures.steady_steps([step["step"] for step in recorder.steps], untimed)
             if trainer_name == "AsyncA3POTrainer":
-                measure_a3po(trainer, record, recorder, setup.device)
+                measure_a3po(trainer, record, recorder, setup.device, timed)
             else:
-                record["time"] = timer.breakdown(recorder.steps)
+                record["time"] = timer.breakdown(recorder.steps, timed)
+                record["memory"] = figures.device_memory(recorder.steps, recorder.alloc_retries())
         except Exception as error:  # a crash is a finding: record it and go on with the other runs
             traceback.print_exc()
             record["error"] = f"{type(error).__name__}: {error}"
         finally:
             record["steps"] = recorder.steps
-            record["seconds_per_step"] = figures.seconds_per_step(recorder.steps)
+            timed = figures.steady_steps([step["step"] for step in recorder.steps], untimed)
+            record["steps_timed"] = timed
+            record["seconds_per_step"] = figures.seconds_per_step(recorder.steps, timed)
+            record["profile"] = profiler.profile
+            measure_bound(record, figures.mean_of(recorder.steps, "thread_cpu_s", timed), not setup.cpu)
             del trainer
             gc.collect()
             if not setup.cpu:
                 torch.cuda.empty_cache()
+    if on_record is not None:
+        on_record(record)
     return record
 
 
-def measure_a3po(trainer, record: dict, recorder, device: str) -> None:
-    """The figures only AsyncA3POTrainer has: dtypes, memory against the plan, time breakdown, weights after a
-    sync, what the generator held; printed as they are measured."""
+def measure_bound(record: dict, trainer_cpu: float | None, cuda: bool) -> None:
+    """Each thread's CPU seconds per timed step and what bound the step (:func:`.bound.bound_by`), printed."""
+    generator_cpu = (
+        (record.get("time") or {}).get("generation_thread_cpu") if record["trainer"] != "GRPOTrainer" else None
+    )
+    device = (record.get("profile") or {}).get("device") or {}
+    record["threads"] = {"training_cpu_per_step": trainer_cpu, "generation_cpu_per_step": generator_cpu}
+    record["bound"] = bound.bound_by(
+        record["seconds_per_step"], trainer_cpu, generator_cpu, device.get("busy_share"), cuda
+    )
+    shares = ", ".join(f"{key} {value:.2f}" for key, value in record["bound"]["shares"].items() if value is not None)
+    print(f"  [{record['name']}] bound by {record['bound']['by']} (share of the step: {shares})", flush=True)
+
+
+def measure_a3po(trainer, record: dict, recorder, device: str, timed: list[int]) -> None:
+    """The figures only AsyncA3POTrainer has: dtypes, memory against the plan, time breakdown over the ``timed``
+    steps, weights after a sync, what the generator held; printed as they are measured."""
     name = record["name"]
     producer = trainer.last_batch_producer
     record["dtypes"] = figures.generator_dtypes(trainer)
     for part, summary in record["dtypes"].items():
         print(f"  [{name}] {part}: {summary}", flush=True)
-    record["memory"] = figures.memory_figures(trainer, recorder.steps, device)
-    record["time"] = figures.time_breakdown(trainer.timeline.chrome_trace()["traceEvents"])
+    record["memory"] = figures.memory_figures(trainer, recorder.steps, device, recorder.alloc_retries())
+    record["time"] = figures.time_breakdown(trainer.timeline.chrome_trace()["traceEvents"], timed)
     if record["time"]:
         t = record["time"]
         print(
-            f"  [{name}] per step: {t['step']:.3f} s (ideal max(generation, training) {t['ideal_step']:.3f} s): "
-            f"generation {t['generation']:.3f}, training {t['training']:.3f}, weight sync {t['weight_sync']:.3f}, "
-            f"trainer idle {t['trainer_idle']:.3f}, generator idle {t['generator_idle']:.3f}",
+            f"  [{name}] per step over steps {t['steps_timed']}: {t['step']:.3f} s: generation {t['generation']:.3f}, "
+            f"training {t['training']:.3f}, weight sync {t['weight_sync']:.3f}, trainer idle {t['trainer_idle']:.3f}, "
+            f"generator idle {t['generator_idle']:.3f}; busy: generation thread {t['generation_busy']:.3f}, training "
+            f"thread {t['training_busy']:.3f}",
             flush=True,
         )
     backend = producer.backend

@@ -1,19 +1,25 @@
 """scripts/gpu_check.py: ``--cpu --report`` runs every check, each in its own process, and writes a report whose every
 check passed with its figures; a generator that misses weight syncs, a crash and a hang each fail their check (and a
-hang costs only that check); the verdict flags each kind of bad number.
+hang costs only that check); the report is on disk after every check, so a run killed mid-way leaves what it finished;
+a deadline skips the checks it leaves no time for, saying so; a library outside its declared window stops the run at
+the environment check; the verdict flags each kind of bad number, and the rule of what bound a step reads its figures.
 
 The script runs as a subprocess, as CI runs it; faults are put into its check processes by a ``sitecustomize`` module
 on their ``PYTHONPATH`` (it runs at every interpreter start). Timings are never asserted, only that they were measured.
 """
 
+import gzip
+import importlib.metadata
 import importlib.util
 import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -34,20 +40,26 @@ CHECKS = [
 ]
 PAIRS = ["lora-bf16", "full-bf16", "full-fp32", "lora-fp32"]
 KINDS = {"a3po-s1": 1, "a3po-s0": 0, "grpo": None}
-TIME_PARTS = ["generation", "training", "weight_sync", "trainer_idle", "generator_idle", "step", "ideal_step"]
+TIME_PARTS = ["generation", "training", "weight_sync", "trainer_idle", "generator_idle", "step"]
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+BOUND_BY = {"gpu", "generator_python", "trainer_python", "both_pythons", "waiting"}
 
 
-def load_verdict():
+def load_module(name):
+    """A module of scripts/gpu_checks with no relative imports (verdict, bound, versions), loaded from its file."""
     spec = importlib.util.spec_from_file_location(
-        "gpu_check_verdict", os.path.join(ROOT, "scripts", "gpu_checks", "verdict.py")
+        f"gpu_check_{name}", os.path.join(ROOT, "scripts", "gpu_checks", f"{name}.py")
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def _run(arguments, fault_dir=None, timeout=900):
+def load_verdict():
+    return load_module("verdict")
+
+
+def _env(fault_dir=None):
     paths = [fault_dir, ROOT, os.environ.get("PYTHONPATH")]
     env = {
         **os.environ,
@@ -55,8 +67,13 @@ def _run(arguments, fault_dir=None, timeout=900):
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
+    env.pop("OUT", None)  # the report and the trace go where the test says
+    return env
+
+
+def _run(arguments, fault_dir=None, timeout=900):
     command = [sys.executable, SCRIPT, "--cpu", *arguments]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=_env(fault_dir))
 
 
 def _with_fault(tmp_path, code: str) -> str:
@@ -104,6 +121,11 @@ def test_cpu_plan_passes_every_check(cpu_run):
     environment = report["environment"]
     assert environment["device"] == "cpu" and environment["parameters"] > 0
     assert environment["versions"]["trl"] and environment["versions"]["torch"]
+    assert environment["versions_outside_windows"] == []
+    # the whole plan ran inside the default deadline; the report says so, and says how to read it
+    assert report["complete"] is True and report["finished"] is True and report["running"] is None
+    assert report["deadline"] == {"seconds": 540, "not_run": [], "stopped": [], "note": None}
+    assert report["steps"] == 3 and "a3po-s0" in report["ideal"] and "'waiting'" in report["bound_rule"]
 
 
 def test_progress_is_printed_check_by_check(cpu_run):
@@ -116,7 +138,7 @@ def test_progress_is_printed_check_by_check(cpu_run):
     for pair in PAIRS:
         for kind in KINDS:
             for step in (1, 2, 3):
-                line = rf"^    \[{re.escape(kind)}/{pair}\] step {step}, [0-9.]+ s, loss "
+                line = rf"^    \[{re.escape(kind)}/{pair}\] step {step}, [0-9.]+ s, main thread cpu [0-9.]+ s, loss "
                 assert re.search(line, completed.stdout, re.M), (kind, pair, step)
 
 
@@ -143,11 +165,56 @@ def test_every_async_run_reports_weights_memory_and_time(cpu_run):
         assert memory["peak_device_bytes"] is None and memory["pinned_host_bytes"] is None, name  # GPU-only figures
         assert memory["plan_device_bytes"] > 0 and memory["plan_host_bytes"] == 0 and "total" in memory["plan"], name
         assert memory["predicted_device_bytes"] == memory["model_bytes"] + memory["plan_device_bytes"], name
+        assert memory["peak_reserved_bytes"] is None and memory["num_alloc_retries"] is None, name
         timing = run["time"]
         assert all(timing[part] >= 0 for part in TIME_PARTS), name
-        assert timing["step"] > 0 and timing["training"] > 0 and timing["ideal_step"] > 0, name
-        assert timing["ideal_step"] <= timing["step"] * 1.05, name  # no run beats a perfect overlap
-        assert timing["steps_timed"] == len(run["steps"]) - 1, name
+        assert timing["step"] > 0 and timing["training"] > 0 and timing["generation_busy"] > 0, name
+        # the steady steps: not the first (it fills the pipeline), not the last (it drains it)
+        recorded = [step["step"] for step in run["steps"]]
+        steady = recorded[1:-1] if len(recorded) > 2 else recorded[1:]
+        assert (
+            timing["steps_timed"]
+            == run["steps_timed"]
+            == [s for s in steady if s != (run["profile"] or {}).get("step")]
+        )
+        assert timing["steps_timed"], name
+
+
+def test_each_thread_cpu_time_and_what_bound_the_step_are_reported(cpu_run):
+    """Per run, each thread's CPU seconds per timed step (the main thread's for GRPOTrainer), within the step's wall
+    seconds (a thread cannot run longer than the clock), and the bound the rule names; no device figures on CPU."""
+    _, report = cpu_run
+    runs = [(entry["name"], run) for entry in report["checks"] for run in entry.get("runs", [])]
+    assert len(runs) >= 21  # 4 pairs of 3, balanced's 4, peaked's 2, reproducible-resume's 2, recompute's 1
+    for check, run in runs:
+        name = f"{check}/{run['name']}"
+        for step in run["steps"]:
+            assert 0 < step["thread_cpu_s"] <= step["seconds"] + 0.01, (name, step)
+            assert step["peak_memory_bytes"] is None and step["peak_reserved_bytes"] is None, name
+        threads, wall = run["threads"], run["seconds_per_step"]
+        assert 0 < threads["training_cpu_per_step"] <= wall + 0.01, name
+        if run["trainer"] == "AsyncA3POTrainer":
+            assert 0 < threads["generation_cpu_per_step"] <= wall + 0.01, name
+            assert threads["generation_cpu_per_step"] == run["time"]["generation_thread_cpu"], name
+        else:
+            assert threads["generation_cpu_per_step"] is None, name
+        assert run["bound"]["by"] in BOUND_BY - {"gpu"} and run["bound"]["shares"]["device_busy"] is None, name
+
+
+def test_one_steady_asynchronous_step_is_traced(cpu_run, tmp_path_factory):
+    """The traced run (a3po-s1/full-bf16) trains one step more and profiles its second to last, untimed; the trace
+    (beside the report without $OUT) holds both threads' ops."""
+    _, report = cpu_run
+    run = next(run for run in _entries(report)["full-bf16"]["runs"] if run["name"] == "a3po-s1/full-bf16")
+    assert run["planned_steps"] == 4 and run["profile"]["step"] == 3 and run["profile"]["error"] is None
+    assert 3 not in run["steps_timed"]
+    assert report["trace"] == run["profile"]["trace"] and report["trace"].endswith("gpu_check_trace.json.gz")
+    with gzip.open(report["trace"], "rt") as file:
+        events = json.load(file)["traceEvents"]
+    threads = {event["tid"] for event in events if event.get("ph") == "X" and event.get("cat") == "cpu_op"}
+    assert len(threads) >= 2  # the training thread's ops and the generation thread's
+    others = [r for e in report["checks"] for r in e.get("runs", []) if r is not run]
+    assert all(other["profile"] is None for other in others)  # on CPU only the traced run is profiled
 
 
 def test_each_check_reports_its_own_figures(cpu_run):
@@ -158,14 +225,26 @@ def test_each_check_reports_its_own_figures(cpu_run):
         assert [run["name"] for run in entry["runs"]] == [f"{kind}/{pair}" for kind in KINDS]
         for kind, staleness in KINDS.items():
             run = next(r for r in entry["runs"] if r["kind"] == kind)
-            assert run["max_staleness"] == staleness and len(run["steps"]) == 3, (pair, kind)
-        grpo = entry["runs"][2]["time"]
-        assert grpo["generation"] > 0 and grpo["step"] > 0, pair
+            traced = (pair, kind) == ("full-bf16", "a3po-s1")  # one step more: the traced step is not timed
+            assert run["max_staleness"] == staleness and len(run["steps"]) == 3 + traced, (pair, kind)
+        grpo = entry["runs"][2]
+        assert grpo["time"]["generation"] > 0 and grpo["time"]["step"] > 0, pair
+        assert grpo["memory"] == {"peak_device_bytes": None, "peak_reserved_bytes": None, "num_alloc_retries": None}
+        # the ideal: max(generation, training) busy per step of the synchronous run of the same pair
+        ideal, synchronous = entry["ideal"], entry["runs"][1]
+        assert ideal["from"] == f"a3po-s0/{pair}", pair
+        busy = (synchronous["time"]["generation_busy"], synchronous["time"]["training_busy"])
+        assert (ideal["generation_busy"], ideal["training_busy"]) == busy and ideal["seconds_per_step"] == max(busy)
         for kind in ("a3po-s1", "a3po-s0"):
-            assert entry["vs_grpo"][f"{kind}/{pair}"] > 0 and entry["vs_ideal"][f"{kind}/{pair}"] >= 0.95, pair
+            run = next(r for r in entry["runs"] if r["kind"] == kind)
+            assert entry["vs_grpo"][f"{kind}/{pair}"] > 0, pair
+            assert entry["vs_ideal"][f"{kind}/{pair}"] == run["seconds_per_step"] / ideal["seconds_per_step"], pair
     balanced = entries["balanced"]
     assert balanced["gradient_accumulation_steps"] >= 1 and balanced["generation_over_training"] > 0
     assert balanced["calibration"]["generation"] > 0 and balanced["calibration"]["training"] > 0
+    k = balanced["gradient_accumulation_steps"]
+    assert [run["name"] for run in balanced["runs"][1:]] == [f"{kind}/balanced-x{k}" for kind in KINDS]
+    assert balanced["ideal"]["from"] == f"a3po-s0/balanced-x{k}"
     peaked = entries["peaked"]["mismatch"]
     # the peaked model shows bf16's mismatch (about 1e-2 nats), far above fp32's rounding (about 1e-6)
     assert peaked["bf16"]["mean"] > 1e-3 and peaked["fp32"]["mean"] < 1e-4
@@ -249,6 +328,163 @@ def test_a_hang_costs_one_check_and_a_crash_is_recorded(tmp_path):
     assert recompute["passed"] is False and "reward server unreachable" in recompute["runs"][0]["error"]
     assert any("crashed: RuntimeError: reward server unreachable" in f for f in recompute["failures"])
     assert "  - a3po-s1/recompute: crashed: " in completed.stdout
+
+
+# ---- a run cut short: the report on disk after every check, the deadline -------------------------------------------
+def _poll_report(path, process, ready, timeout=600):
+    """The report at ``path`` once ``ready(report)`` holds (read as the script rewrites it), or fail."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if process.poll() is not None:
+            pytest.fail(f"the check ended (status {process.returncode}) before the report was ready")
+        if os.path.exists(path):
+            with open(path) as file:
+                report = json.load(file)  # whole at every moment: written to a temporary file and renamed
+            if ready(report):
+                return report
+        time.sleep(0.5)
+    pytest.fail(f"no report ready after {timeout} s")
+
+
+def test_a_run_killed_mid_way_leaves_its_finished_checks_and_runs_in_the_report(tmp_path):
+    """The whole run is killed (as a command past its time limit is) while its second check hangs in its second run:
+    the report on disk holds the first check's entry and the second check's finished run."""
+    pid_file = tmp_path / "hung.pid"
+    fault = _with_fault(
+        tmp_path,
+        f"""
+        import os, time
+        if "full-bf16" in sys.argv:
+            sys.path.insert(0, {os.path.join(ROOT, "scripts")!r})
+            from gpu_checks import checks
+
+            original, calls = checks.run_one, []
+
+            def run_one(*args, **kwargs):
+                calls.append(1)
+                if len(calls) == 2:  # the second run of the check hangs
+                    open({str(pid_file)!r}, "w").write(str(os.getpid()))
+                    time.sleep(3600)
+                return original(*args, **kwargs)
+
+            checks.run_one = run_one
+        """,
+    )
+    out = tmp_path / "r.json"
+    command = [sys.executable, SCRIPT, "--cpu", "--checks", "environment,full-bf16", "--report", str(out)]
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=_env(fault),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        report = _poll_report(out, process, lambda r: r["running"] == "full-bf16" and r["running_runs"])
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # the script; its check runs in a process group of its own
+        process.wait()
+        if pid_file.exists():
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    report = json.loads(out.read_text())  # what the killed run left
+    assert report["finished"] is False and report["running"] == "full-bf16" and report["pending"] == []
+    assert [entry["name"] for entry in report["checks"]] == ["environment"]
+    assert report["checks"][0]["passed"] is True and report["environment"]["device"] == "cpu"
+    [run] = report["running_runs"]
+    assert run["name"] == "a3po-s1/full-bf16" and run["error"] is None and len(run["steps"]) == 4
+
+
+def test_a_short_deadline_skips_the_checks_it_leaves_no_time_for_and_says_so(tmp_path):
+    out = tmp_path / "r.json"
+    completed = _run(["--checks", "environment,recompute", "--deadline", "31", "--report", str(out)])
+    report = json.loads(out.read_text())
+    entries = _entries(report)
+    # recompute cannot start with under 30 s left; the environment check either finished or was stopped at 31 s
+    assert entries["recompute"]["skipped"] == "deadline" and entries["recompute"]["seconds"] == 0.0
+    assert entries["environment"]["skipped"] in (None, "deadline")
+    assert "recompute" in report["deadline"]["not_run"] and report["complete"] is False and report["passed"] is True
+    assert "deadline (31 s)" in report["deadline"]["note"] and "--checks" in report["deadline"]["note"]
+    assert completed.returncode == 2, completed.stdout[-3000:]
+    assert completed.stdout.rstrip().splitlines()[-1].startswith("GPU CHECK INCOMPLETE: nothing failed, but the run")
+
+
+def test_a_library_outside_its_declared_window_stops_the_run_at_the_environment_check(tmp_path):
+    fault = _with_fault(
+        tmp_path,
+        f"""
+        sys.path.insert(0, {os.path.join(ROOT, "scripts")!r})
+        from gpu_checks import versions
+
+        original = versions.installed_version
+        versions.installed_version = lambda package: "5.26.0" if package == "transformers" else original(package)
+        """,
+    )
+    out = tmp_path / "r.json"
+    completed = _run(["--checks", "environment,recompute", "--report", str(out)], fault)
+    assert completed.returncode == 1, completed.stdout[-4000:] + completed.stderr[-4000:]
+    report = json.loads(out.read_text())
+    entries = _entries(report)
+    problem = "transformers 5.26.0 is installed, outside the window pyproject.toml declares (transformers>=5.19.0,"
+    assert entries["environment"]["passed"] is False
+    assert any(f.startswith(problem) for f in entries["environment"]["failures"]), entries["environment"]
+    assert report["environment"]["versions_outside_windows"][0].startswith(problem)
+    recompute = entries["recompute"]
+    assert recompute["skipped"].startswith("the environment check failed: transformers 5.26.0 is installed")
+    assert recompute["passed"] is False and "runs" not in recompute
+
+
+def test_the_version_gate_reads_the_windows_from_pyproject(monkeypatch, tmp_path):
+    versions = load_module("versions")
+    assert versions.declared_windows()["trl"] == "==1.16.0"
+    assert versions.outside_windows() == []  # the installed versions (this environment is inside the windows)
+    real = importlib.metadata.version
+    fake = {"accelerate": "1.17.0", "peft": "0.17.9"}
+    monkeypatch.setattr(importlib.metadata, "version", lambda package: fake.get(package) or real(package))
+    problems = versions.outside_windows()
+    assert len(problems) == 2 and problems[0].startswith("peft 0.17.9 is installed, outside the window")
+    assert (
+        "(accelerate>=1.10.1,<=1.16.0)" in problems[1] and "pip install 'accelerate>=1.10.1,<=1.16.0'" in problems[1]
+    )
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[project]\ndependencies = ["torch>=2.6,<3", "absent-package>=1"]\n')
+    assert versions.outside_windows(pyproject=str(pyproject)) == [
+        "absent-package is not installed: the window pyproject.toml declares (absent-package>=1)"
+    ]
+    nightly = versions.outside_windows({"torch": "2.14.0.dev20260101+cu130"}, str(pyproject))
+    assert not any(problem.startswith("torch") for problem in nightly)  # inside the window, pre-release or not
+    assert versions.outside_windows({"torch": "3.0.0"}, str(pyproject))[0].startswith("torch 3.0.0 is installed")
+
+
+# ---- what bound a step ----------------------------------------------------------------------------------------------
+def test_the_bound_rule():
+    bound = load_module("bound")
+    cases = [  # (step, trainer cpu, generator cpu, device busy share, cuda) -> bound by
+        ((1.0, 0.95, 0.9, 0.85, True), "gpu"),  # tested first: CUDA's waits spin, counting CPU time
+        ((1.0, 0.95, 0.3, 0.5, True), "trainer_python"),
+        ((1.0, 0.85, 0.9, 0.5, True), "generator_python"),
+        ((1.0, 0.5, 0.4, 0.2, True), "both_pythons"),
+        ((1.0, 0.3, 0.2, 0.2, True), "waiting"),
+        ((2.0, 1.8, None, None, False), "trainer_python"),  # GRPOTrainer on CPU: one thread
+        ((2.0, 1.0, None, None, False), "waiting"),
+    ]
+    for arguments, expected in cases:
+        assert bound.bound_by(*arguments)["by"] == expected, arguments
+    assert bound.bound_by(1.0, 0.5, 0.4, None, True)["by"] is None  # on a GPU without the device's time: no verdict
+    assert bound.bound_by(None, None, None, None, False)["by"] is None
+
+
+def test_the_device_busy_time_is_each_streams_and_their_union():
+    bound = load_module("bound")
+    events = [
+        {"ph": "X", "cat": "kernel", "ts": 0.0, "dur": 100.0, "args": {"stream": 7}},
+        {"ph": "X", "cat": "kernel", "ts": 50.0, "dur": 100.0, "args": {"stream": 7}},  # overlaps the one before
+        {"ph": "X", "cat": "gpu_memcpy", "ts": 120.0, "dur": 80.0, "args": {"stream": 13}},
+        {"ph": "X", "cat": "cpu_op", "ts": 0.0, "dur": 1000.0, "args": {}},  # the host: not the device
+    ]
+    busy = bound.device_busy(events)
+    assert busy["streams"] == {"13": pytest.approx(80e-6), "7": pytest.approx(150e-6)}
+    assert busy["busy_seconds"] == pytest.approx(200e-6) and busy["operations"] == 3
 
 
 # ---- the verdict, fed bad numbers -----------------------------------------------------------------------------------

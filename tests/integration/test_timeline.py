@@ -5,6 +5,7 @@ import logging
 import os
 import sys
 import threading
+import time
 
 import pytest
 from helpers import make_trainer
@@ -14,6 +15,7 @@ from a3po_trl.checkpoints import checkpoint_problems
 from a3po_trl.timeline import (
     GENERATION_LANE,
     LANES,
+    THREAD_CPU_ARG,
     TRAINING_LANE,
     TimelineRecorder,
     batch_span,
@@ -65,6 +67,27 @@ def test_chrome_trace_events_are_complete_events_in_microseconds_with_one_thread
     assert names == {1: "training (main thread)", 2: "generation thread"}
 
 
+def test_a_batch_span_carries_the_cpu_seconds_of_its_own_thread():
+    """Read in the thread that ran the batch (``time.thread_time``): a batch that waits while another thread computes
+    records next to nothing; the computing thread's batch records its computation, within its wall time."""
+    recorder = TimelineRecorder()
+
+    def compute():
+        start = time.thread_time()
+        with batch_span(recorder, TRAINING_LANE, batch=1):
+            while time.thread_time() - start < 0.05:
+                pass
+
+    with batch_span(recorder, GENERATION_LANE, batch=0):
+        thread = threading.Thread(target=compute)
+        thread.start()
+        thread.join()
+    spans = {span.args["batch"]: span for span in recorder.spans()}
+    computed, waited = spans[1], spans[0]
+    assert 0.05 <= computed.args[THREAD_CPU_ARG] <= computed.end - computed.start + 1e-3
+    assert 0 <= waited.args[THREAD_CPU_ARG] < 0.02  # its thread slept in join while the other computed
+
+
 def test_a_disabled_recorder_keeps_and_writes_nothing(tmp_path):
     recorder = TimelineRecorder(enabled=False)
     recorder.record(TRAINING_LANE, "step", 0.0, 1.0)
@@ -92,6 +115,7 @@ def test_a_run_writes_both_threads_spans_with_versions_and_staleness(tokenizer, 
     batches = sorted((e for e in generation if e["name"] == "batch"), key=lambda e: e["args"]["batch"])
     assert [e["args"]["batch"] for e in batches] == [0, 1, 2, 3]
     assert all({"version", "staleness"} <= set(e["args"]) for e in batches)
+    assert all(0 <= e["args"][THREAD_CPU_ARG] <= e["dur"] / 1e6 + 1e-3 for e in batches)  # the generation thread's
     steps = sorted((e for e in training if e["name"] == "step"), key=lambda e: e["args"]["step"])
     assert [e["args"]["step"] for e in steps] == [1, 2, 3, 4]
     # staleness of the batch each step trains on, as the loss logs it
