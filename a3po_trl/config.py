@@ -70,16 +70,18 @@ class AsyncA3POConfig(GRPOConfig):
             generation batches one no-grad forward per micro-step of the batch computes the log-probs of the version
             the interpolation targets (one before the trained weights), and while the interpolation's error exceeds
             `prox_error_budget` the batches train with `"recompute"`'s anchor (docs/ARCHITECTURE.md has the math).
-        prox_check_interval (`int`, *optional*, defaults to `4`):
+        prox_check_interval (`int`, *optional*, defaults to `2`):
             With `prox_logp_method="guarded"`: check the interpolation on every `prox_check_interval`-th generation
             batch (batches 1, 1 + N, 1 + 2N, ... of the run). A check costs one no-grad forward over the checked batch,
             and keeps a copy of the trainable weights (the adapters with LoRA) for the optimizer steps that train it.
+            The default is the oracle study's (docs/BENCHMARKS.md): the largest interval at which a check still
+            decided for a later batch as that batch's own check did, within 5 points of the next batch's.
         prox_error_budget (`float`, *optional*, defaults to `1.0`):
             With `prox_logp_method="guarded"`: the largest error of the interpolation a check accepts, relative to one
             optimizer step's drift on the same tokens (mean `|interpolated - target|` over mean `|current - target|`,
             tokens of staleness >= 1). Above it the batches train with the recomputed anchor until a check is within
-            it again. At 1.0 the interpolation is accepted while it is closer to its target than the trained weights
-            themselves.
+            it again. At 1.0 (the oracle study's rule, docs/BENCHMARKS.md) the interpolation is accepted while it is
+            closer to its target than the trained weights themselves.
         behavior_weight_cap (`float` or `None`, *optional*, defaults to `5.0`):
             Cap on the behavior importance weight `pi_prox / pi_behav`. Must be greater than 1; `None` disables it.
         behavior_weight_cap_mode (`str`, *optional*, defaults to `"token_mask"`):
@@ -253,7 +255,7 @@ class AsyncA3POConfig(GRPOConfig):
         },
     )
     prox_check_interval: int = field(
-        default=4,
+        default=2,
         metadata={"help": "prox_logp_method='guarded': check the interpolation every this many generation batches."},
     )
     prox_error_budget: float = field(

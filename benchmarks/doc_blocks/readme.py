@@ -107,12 +107,12 @@ def oracle_row(s: Summaries) -> tuple[str, str, str]:
     defaults = summary["guard_defaults"]
     built = "built" if summary["decision"]["build_fitted_weight"] else "not built"
     link = _link("the oracle study", "the-oracle-study-benchmarksoraclepy")
-    fitted = f"{min(reductions):+.0f}% to {max(reductions):+.0f}%"
+    fitted = f"from {max(reductions):.0f}% lower to {-min(reductions):.0f}% higher"
     return (
         "**How far A-3PO's interpolation is from its target**",
         "mean error of the interpolated anchor against the exact log-probs of the version it targets, over one "
         f"optimizer step's drift: {span(smollm2, '.2f')} on SmolLM2, {span(tiny, '.2f')} on the tiny map (1.0: as "
-        f"far as the trained weights); a weight fitted per staleness changes it by {fitted}: "
+        f"far as the trained weights); a weight fitted per staleness leaves it {fitted}: "
         f'{built}. `prox_logp_method="guarded"` checks it every {defaults["interval"]} batch(es) and trains with '
         f"`recompute`'s anchor while it exceeds {defaults['budget']:g}; whether that pays is registered, not yet "
         "measured",
