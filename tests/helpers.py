@@ -246,6 +246,61 @@ def run_process_tree(command, *, timeout, **popen_kwargs) -> subprocess.Complete
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
+def run_process_trees(
+    commands, *, timeout, grace_after_failure=15.0, **popen_kwargs
+) -> list[subprocess.CompletedProcess]:
+    """:func:`run_process_tree` for several commands at once (the launchers of the machines of one run), each in a
+    session of its own, their output read as they run. Once one ends with a non-zero status the others have
+    ``grace_after_failure`` seconds to end on their own (a peer's failure usually ends them with an error worth
+    reading), after which their whole sessions are killed; past ``timeout`` every session still running is killed
+    and ``TimeoutExpired`` raised, with every command's output so far. No session outlives the call, whatever
+    ends it."""
+    processes, outputs, readers = [], [], []
+    try:
+        for command in commands:
+            process = subprocess.Popen(
+                command,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+                **popen_kwargs,
+            )
+            processes.append(process)
+            output = {}
+            outputs.append(output)
+            reader = threading.Thread(
+                target=lambda p=process, o=output: o.update(zip(("out", "err"), p.communicate()))
+            )
+            reader.start()
+            readers.append(reader)
+        deadline, kill_at = time.monotonic() + timeout, None
+        while any(process.poll() is None for process in processes):
+            now = time.monotonic()
+            if now > deadline or (kill_at is not None and now > kill_at):
+                break
+            if kill_at is None and any(process.poll() not in (None, 0) for process in processes):
+                kill_at = now + grace_after_failure
+            time.sleep(0.1)
+        timed_out = any(process.poll() is None for process in processes) and time.monotonic() > deadline
+    finally:
+        for process in processes:  # also a launcher that ended: a worker it left behind would hold the pipes
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for reader in readers:
+            reader.join()
+    if timed_out:
+        joined = "\n".join(f"--- command {i}:\n{o.get('out', '')}" for i, o in enumerate(outputs))
+        errors = "\n".join(f"--- command {i}:\n{o.get('err', '')}" for i, o in enumerate(outputs))
+        raise subprocess.TimeoutExpired(list(commands), timeout, output=joined, stderr=errors)
+    return [
+        subprocess.CompletedProcess(command, process.returncode, output.get("out", ""), output.get("err", ""))
+        for command, process, output in zip(commands, processes, outputs)
+    ]
+
+
 class _State(SimpleNamespace):
     def save_to_json(self, path):
         with open(path, "w") as file:

@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import shutil
+import uuid
 from collections.abc import Callable
 
 from accelerate.utils import broadcast_object_list, gather_object
@@ -55,6 +56,9 @@ REPLACED_NAME = "replaced"
 """``tmp-checkpoint-N/replaced``: the earlier copy of ``checkpoint-N``, moved aside for the new one."""
 DELETING_SUFFIX = "-deleting"
 """``tmp-checkpoint-N-deleting``: a rotated checkpoint being deleted."""
+SHARED_DISK_PROBE_PREFIX = ".a3po-save-on-each-node-"
+"""``.a3po-save-on-each-node-<token>-<process>``: a saving process's file in ``output_dir`` while the first save with
+``save_on_each_node=True`` checks that no other saving process writes there (:func:`_refuse_a_shared_disk`)."""
 
 
 class CheckpointError(RuntimeError):
@@ -189,6 +193,55 @@ def rotate_checkpoints_by_step(run_dir: str, save_total_limit: int | None, keep:
 
 
 # ---- writing a checkpoint -------------------------------------------------------------------------------------------
+def _refuse_a_shared_disk(trainer, run_dir: str) -> None:
+    """With ``save_on_each_node=True`` the main process of every machine writes its own copy of each checkpoint into
+    ``output_dir``, which must then be on each machine's own disk: on a filesystem the machines share they would
+    stage, publish and rotate one folder together, one rename failing after the other's (a checkpoint was lost so,
+    with two machines on one disk). Each saving process leaves a file named with a token every process agrees on in
+    ``run_dir`` and looks for the others'; if it finds one, every process raises, naming the setting and the fix.
+    Every process calls it together (collectives)."""
+    args, accelerator = trainer.args, trainer.accelerator
+    token = broadcast_object_list([uuid.uuid4().hex], from_process=0)[0]
+    prefix = f"{SHARED_DISK_PROBE_PREFIX}{token}-"
+    probe = os.path.join(run_dir, f"{prefix}{accelerator.process_index}")
+    error = None
+    try:
+        if args.should_save:
+            try:
+                os.makedirs(run_dir, exist_ok=True)
+                open(probe, "w").close()
+            except OSError as caught:
+                error = caught
+        raise_together(accelerator, error, f"Checking where {run_dir} is", CheckpointError)
+        if args.should_save:  # every saving process has written its file
+            try:
+                others = sorted(
+                    int(name[len(prefix) :])
+                    for name in os.listdir(run_dir)
+                    if name.startswith(prefix) and name != os.path.basename(probe)
+                )
+            except OSError as caught:
+                error = caught
+            else:
+                if others:
+                    error = CheckpointError(
+                        f"save_on_each_node=True makes the main process of every machine write its own copy of each "
+                        f"checkpoint into output_dir, but process {accelerator.process_index} sees the files process"
+                        f"{'es' if len(others) > 1 else ''} {', '.join(map(str, others))} of another machine wrote "
+                        f"into {run_dir}: output_dir is on a filesystem the machines share, where they would write "
+                        "and rename the same folders. Set save_on_each_node=False (the default: process 0 writes the "
+                        "one copy, every process its RNG state into it), or point output_dir at each machine's own "
+                        "disk."
+                    )
+        raise_together(accelerator, error, f"Checking where {run_dir} is", CheckpointError)
+    finally:  # after the collective above: every saving process has looked
+        if args.should_save:
+            try:
+                os.remove(probe)
+            except OSError:
+                pass
+
+
 def _prepare(trainer, run_dir: str, staging_root: str) -> None:
     """On a saving process: check the filesystem (first save only), resolve earlier interrupted saves, and create
     the staging folder."""
@@ -258,6 +311,10 @@ def save_checkpoint_atomically(trainer, trial, write: Callable[[], None]) -> str
     staging_root = os.path.join(run_dir, f"{STAGING_PREFIX}-{trainer.state.global_step}")
     staged = os.path.join(staging_root, folder_name)
 
+    checked_disks = trainer.__dict__.setdefault("_save_on_each_node_disks_checked", set())
+    if args.save_on_each_node and accelerator.num_processes > 1 and run_dir not in checked_disks:
+        _refuse_a_shared_disk(trainer, run_dir)
+        checked_disks.add(run_dir)
     error = None
     if args.should_save:
         try:

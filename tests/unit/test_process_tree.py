@@ -1,5 +1,6 @@
-"""The tests' launcher for commands that start processes of their own (``helpers.run_process_tree``): a launch that
-outlives its bound must not leave its workers behind for the tests after it."""
+"""The tests' launchers for commands that start processes of their own (``helpers.run_process_tree``, and
+``run_process_trees`` for several at once): a launch that outlives its bound, or whose peer failed, must not leave its
+workers behind for the tests after it."""
 
 import os
 import signal
@@ -8,7 +9,7 @@ import sys
 import time
 
 import pytest
-from helpers import run_process_tree
+from helpers import run_process_tree, run_process_trees
 
 # A launcher that starts a worker (which writes its pid, then sleeps), then waits for it, as `accelerate launch` does.
 # The worker's output goes elsewhere, so that the launcher's pipes close when the launcher dies.
@@ -51,3 +52,41 @@ def test_a_launch_within_its_bound_returns_its_exit_status_and_output():
         [sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"], timeout=60
     )
     assert (result.returncode, result.stdout, result.stderr) == (3, "out\n", "err\n")
+
+
+def _wait_until_dead(pid: int, seconds: float = 10) -> bool:
+    deadline = time.monotonic() + seconds
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if alive(pid):
+        os.kill(pid, signal.SIGKILL)
+        return False
+    return True
+
+
+def test_when_one_of_several_launches_fails_the_others_end_with_their_workers(tmp_path):
+    """One machine's launcher failing leaves the other waiting for it (in a collective, until a timeout): after the
+    grace period the other's whole tree is killed, and the call returns both statuses long before its bound."""
+    pid_file = tmp_path / "worker.pid"
+    started = time.monotonic()
+    failed, waiting = run_process_trees(
+        [
+            [sys.executable, "-c", "import sys, time; time.sleep(1); print('failing'); sys.exit(1)"],
+            [sys.executable, "-c", LAUNCHER, str(pid_file)],
+        ],
+        timeout=120,
+        grace_after_failure=1,
+    )
+    assert time.monotonic() - started < 60
+    assert (failed.returncode, failed.stdout) == (1, "failing\n")
+    assert waiting.returncode == -signal.SIGKILL and "launched" in waiting.stdout
+    assert _wait_until_dead(int(pid_file.read_text())), "the worker outlived its peer's failure"
+
+
+def test_several_launches_past_their_bound_take_every_worker_with_them(tmp_path):
+    pid_files = [tmp_path / f"worker{index}.pid" for index in range(2)]
+    with pytest.raises(subprocess.TimeoutExpired) as raised:
+        run_process_trees([[sys.executable, "-c", LAUNCHER, str(path)] for path in pid_files], timeout=5)
+    assert raised.value.output.count("launched") == 2
+    for path in pid_files:
+        assert _wait_until_dead(int(path.read_text())), "a worker outlived its launcher's timeout"
