@@ -37,7 +37,7 @@ SMOKE_TESTS = {
     ),
     "regenerate": (
         "tests/end_to_end/test_regenerate.py",
-        "test_committed_summaries_equal_what_their_records_regenerate",
+        "test_committed_summaries_and_documents_equal_what_their_records_regenerate",
     ),
     "same_runs": ("tests/end_to_end/test_proximal_map.py", "test_same_runs_names_the_first_step_where_two_runs_part"),
     "soak": ("tests/end_to_end/test_soak.py", "test_short_soak_has_no_leaks"),
