@@ -53,3 +53,14 @@ def wait_for_copies(devices: Iterable[torch.device]) -> None:
     stream; the main thread writes with the default one). No-op for other devices."""
     for device in {explicit_device(d) for d in devices if torch.device(d).type == "cuda"}:
         torch.cuda.current_stream(device).synchronize()
+
+
+#: The priority of the generation thread's CUDA stream: CUDA runs a lower number first, and torch maps -1 to its
+#: high-priority streams. The generator's decode steps are many small kernels that the next token waits on; at the
+#: training stream's priority (0) they queue behind training's large kernels whenever the two threads overlap.
+GENERATION_STREAM_PRIORITY = -1
+
+
+def generation_stream(device: torch.device) -> torch.cuda.Stream:
+    """The generation thread's own CUDA stream on ``device`` (an indexed CUDA device), at high priority."""
+    return torch.cuda.Stream(device, priority=GENERATION_STREAM_PRIORITY)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..devices import explicit_device
+from ..devices import explicit_device, generation_stream
 from ..timeline import GENERATION_LANE, TRAINING_LANE, TimelineRecorder, batch_span, record_in_batch_span
 from ..types import GenerationStopped, ScoredBatch
 from .backend import GenerationBackend
@@ -338,7 +338,7 @@ class BatchProducer:
             stream = None
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-                stream = torch.cuda.Stream(device)
+                stream = generation_stream(device)  # high priority: decode kernels never queue behind training's
             with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for index in range(self.num_batches):
                     if self.stop_event.is_set():

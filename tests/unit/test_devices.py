@@ -42,8 +42,8 @@ class FakeCuda:
     def install(self, monkeypatch):
         fake = self
 
-        class Stream:
-            def __init__(self, device=None):
+        class Stream:  # torch.cuda.Stream's signature: (device=None, priority=0)
+            def __init__(self, device=None, priority=0):
                 if torch.device(device).index is None:
                     raise ValueError("Expected a torch.device with a specified index")
 
@@ -111,3 +111,15 @@ def test_waiting_for_copies_waits_on_every_cuda_device_named_and_ignores_the_hos
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(device))
     wait_for_copies([torch.device("cpu"), torch.device("cuda"), torch.device("cuda:2"), torch.device("cuda:1")])
     assert sorted(str(d) for d in waited) == ["cuda:1", "cuda:2"]  # "cuda" is cuda:2: waited for once
+
+
+def test_the_generation_stream_is_requested_at_high_priority(monkeypatch):
+    """On CUDA the generation thread's stream outranks the training stream (priority 0): its decode kernels do not
+    queue behind training's. What a CPU machine can show: the stream is asked for at that priority, on that device."""
+    from a3po_trl import devices
+
+    requested = []
+    monkeypatch.setattr(devices.torch.cuda, "Stream", lambda device, priority=0: requested.append((device, priority)))
+    devices.generation_stream(torch.device("cuda", 1))
+    assert requested == [(torch.device("cuda", 1), devices.GENERATION_STREAM_PRIORITY)]
+    assert devices.GENERATION_STREAM_PRIORITY < 0  # CUDA runs a lower number first; the default stream is 0
