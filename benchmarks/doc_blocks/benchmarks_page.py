@@ -297,7 +297,13 @@ def oracle_decision(s: Summaries) -> str:
     )
 
 
+def guard_map_tables(s: Summaries) -> str:
+    """The guard's registered map cells: the cells' table and the two families, as the summary writes them."""
+    return "\n\n".join(s.table("guard/map/summary.md", index) for index in (0, 1, 2))
+
+
 BLOCKS = {
+    "guard-map": guard_map_tables,
     "oracle": oracle_tables,
     "oracle-decision": oracle_decision,
     "step-time": step_time_table,

@@ -99,6 +99,21 @@ def proximal_row(s: Summaries) -> tuple[str, str, str]:
     )
 
 
+def guard_map_sentence(s: Summaries) -> str:
+    """The guard's registered map cells, in one clause."""
+    families = s.json("guard/map/summary.json")["families"]
+    counts = {}
+    for name, rows in families.items():
+        verdicts = [row["verdict"] if row["verdict"] != "difference" else ("ahead" if row["mean"] > 0 else "behind")
+                    for row in rows]  # fmt: skip
+        counts[name] = ", ".join(f"{verdict} in {verdicts.count(verdict)}" for verdict in dict.fromkeys(verdicts))
+    cells = len(families["guarded - loglinear"])
+    return (
+        f"on {cells} proximal-map cells (16 seeds, Holm), against `loglinear` {counts['guarded - loglinear']}, "
+        f"against `recompute` {counts['guarded - recompute']}; the SmolLM2 part of its evaluation is not yet run"
+    )
+
+
 def oracle_row(s: Summaries) -> tuple[str, str, str]:
     summary = oracle_summary(s)
     smollm2 = [c["relative"]["fixed"] for c in summary["smollm2"].values()]
@@ -114,8 +129,7 @@ def oracle_row(s: Summaries) -> tuple[str, str, str]:
         f"optimizer step's drift: {span(smollm2, '.2f')} on SmolLM2, {span(tiny, '.2f')} on the tiny map (1.0: as "
         f"far as the trained weights); a weight fitted per staleness leaves it {fitted}: "
         f'{built}. `prox_logp_method="guarded"` checks it every {defaults["interval"]} batch(es) and trains with '
-        f"`recompute`'s anchor while it exceeds {defaults['budget']:g}; whether that pays is registered, not yet "
-        "measured",
+        f"`recompute`'s anchor while it exceeds {defaults['budget']:g}: {guard_map_sentence(s)}",
         f"{len(summary['configurations'])} configurations, every trained token ({link})",
     )
 
