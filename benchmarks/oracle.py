@@ -31,8 +31,6 @@ The decision it serves and its rule are registered in ``results/oracle/PREREGIST
 
 from __future__ import annotations
 
-import base64
-import io
 import sys
 import tempfile
 from pathlib import Path
@@ -40,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.approximation import parse_config
+from benchmarks.common.anchor_estimators import TOKEN_FIELDS, encode_tokens
 from benchmarks.common.machine import kernel_info
 from benchmarks.common.runner import Cell, RunStore, run_study, study_parser
 
@@ -49,16 +48,6 @@ MAP_CONFIGS = tuple(f"map-s{d}-k{k}-lrhi" for k in (4, 1) for d in (4, 8))
 CONFIGS = SMOLLM2_CONFIGS + MAP_CONFIGS
 SMOLLM2_SEEDS = (42,)
 MAP_SEEDS = (0, 1, 2, 3)
-#: Per-token arrays a record keeps, and their dtypes.
-TOKEN_FIELDS = {
-    "step": np.int32,
-    "batch": np.int32,
-    "age": np.int16,
-    "staleness": np.int16,
-    "behavior": np.float32,
-    "current": np.float32,
-    "exact": np.float32,
-}
 
 
 def _parser():
@@ -148,18 +137,6 @@ class ExactAnchorRecorder:
             name: np.concatenate(parts) if parts else np.zeros(0, TOKEN_FIELDS[name])
             for name, parts in self.rows.items()
         }
-
-
-def encode_tokens(tokens: dict[str, np.ndarray]) -> str:
-    """The per-token arrays as a base64 ``.npz`` (compressed), for a JSON record."""
-    buffer = io.BytesIO()
-    np.savez_compressed(buffer, **tokens)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
-def decode_tokens(text: str) -> dict[str, np.ndarray]:
-    with np.load(io.BytesIO(base64.b64decode(text))) as arrays:
-        return {name: arrays[name] for name in arrays.files}
 
 
 def _run_one(options, name: str, seed: int) -> dict:

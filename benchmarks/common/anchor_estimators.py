@@ -17,9 +17,35 @@ which is the target version's own up to the generator's numerics at ``d = 1``).
 
 from __future__ import annotations
 
+import base64
+import io
 from collections.abc import Callable
 
 import numpy as np
+
+#: Per-token arrays a record keeps, and their dtypes.
+TOKEN_FIELDS = {
+    "step": np.int32,
+    "batch": np.int32,
+    "age": np.int16,
+    "staleness": np.int16,
+    "behavior": np.float32,
+    "current": np.float32,
+    "exact": np.float32,
+}
+
+
+def encode_tokens(tokens: dict[str, np.ndarray]) -> str:
+    """The per-token arrays as a base64 ``.npz`` (compressed), for a JSON record."""
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, **tokens)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def decode_tokens(text: str) -> dict[str, np.ndarray]:
+    with np.load(io.BytesIO(base64.b64decode(text))) as arrays:
+        return {name: arrays[name] for name in arrays.files}
+
 
 #: Weight of the prior ``1/d`` in the fitted estimators, in tokens (see the module's docstring).
 PRIOR_TOKENS = 32.0

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common.anchor_estimators import ESTIMATORS, absolute_errors, scored_tokens
+from benchmarks.common.anchor_estimators import ESTIMATORS, absolute_errors, decode_tokens, scored_tokens
 from benchmarks.common.intervals import mean_interval
 
 #: The registered threshold: a fitted weight is built if it cuts the error by at least this much ...
@@ -32,8 +32,6 @@ def scored_run(record: dict) -> dict[str, np.ndarray]:
     """One run's scored tokens: each estimator's absolute error, the drift, the age, staleness, batch and step;
     also ``numerics`` over its staleness-1 tokens (``|behavior - exact|``: the generator against the target
     version's own forward, the same weights)."""
-    from benchmarks.oracle import decode_tokens
-
     tokens = decode_tokens(record["tokens_npz"])
     errors = absolute_errors(tokens)
     scored = scored_tokens(tokens)

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from benchmarks.oracle import TOKEN_FIELDS, decode_tokens
+from benchmarks.common.anchor_estimators import TOKEN_FIELDS, decode_tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
