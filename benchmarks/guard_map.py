@@ -18,7 +18,6 @@ by seed, Holm within the family for the differences and for the equivalence test
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -31,8 +30,8 @@ from benchmarks.common.intervals import (
     t_quantile,
     t_test_p,
 )
-from benchmarks.common.runner import RunStore, plan, run_study
-from benchmarks.proximal_map import EQUIVALENCE_MARGIN, SEEDS, _parser, _run_one, parse_config
+from benchmarks.common.runner import RunStore
+from benchmarks.proximal_map import EQUIVALENCE_MARGIN, SEEDS, _parser, parse_config, run_map_study
 
 HERE = Path(__file__).resolve().parent
 CELLS = ("s8-k1-lrhi", "s2-k1-lrhi", "s2-k4-lrlo")
@@ -140,27 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = _parser()
     parser.set_defaults(configs=list(CONFIGS), seeds=list(SEEDS), out=str(HERE / "results" / "guard" / "map"))
-    options = parser.parse_args(argv)
-    if options.quick:
-        options.steps, options.eval_every, options.eval_samples, options.prompts_per_step = 6, 3, 8, 2
-        if options.seeds == list(SEEDS):
-            options.seeds = [0, 1]
-    for name in options.configs:
-        parse_config(name)
-    if not options.run_one:
-        RunStore(Path(options.out) / "runs").check_settings(
-            {k: getattr(options, k) for k in ("steps", "prompts_per_step", "learning_rates", "temperature")}
-            | {"eval_every": options.eval_every, "eval_samples": options.eval_samples}
-        )
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    run_study(
-        argv,
-        options,
-        module="benchmarks.guard_map",
-        cells=plan(options.configs, options.seeds),
-        run=lambda cell: _run_one(options, cell.config, cell.seed),
-        summarize=lambda store: summarize(store, options),
-    )
+    run_map_study(argv, parser.parse_args(argv), module="benchmarks.guard_map", summarize=summarize)
 
 
 if __name__ == "__main__":

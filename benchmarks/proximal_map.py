@@ -457,13 +457,14 @@ def _plot(cells: dict, path: Path) -> None:
     plt.close(figure)
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    options = _parser().parse_args(argv)
+def run_map_study(argv, options, *, module: str, summarize, quick_configs=None, default_configs=CONFIGS) -> None:
+    """Run (or summarize) a study of the map's runs: ``options`` parsed from ``argv`` by :func:`_parser`, the study
+    ``module`` run in the subprocesses, its ``summarize(store, options)``; ``--quick`` shrinks the runs (and replaces
+    the default configurations with ``quick_configs``, where given)."""
     if options.quick:
         options.steps, options.eval_every, options.eval_samples, options.prompts_per_step = 6, 3, 8, 2
-        if options.configs == list(CONFIGS):
-            options.configs = ["loglinear-s2-k4-lrhi", "recompute-s2-k4-lrhi"]
+        if quick_configs and options.configs == list(default_configs):
+            options.configs = list(quick_configs)
         if options.seeds == list(SEEDS):
             options.seeds = [0, 1]
     for name in options.configs:
@@ -477,11 +478,18 @@ def main(argv: list[str] | None = None) -> None:
     run_study(
         argv,
         options,
-        module="benchmarks.proximal_map",
+        module=module,
         cells=plan(options.configs, options.seeds),
         run=lambda cell: _run_one(options, cell.config, cell.seed),
         summarize=lambda store: summarize(store, options),
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    options = _parser().parse_args(argv)
+    quick = ("loglinear-s2-k4-lrhi", "recompute-s2-k4-lrhi")
+    run_map_study(argv, options, module="benchmarks.proximal_map", summarize=summarize, quick_configs=quick)
 
 
 if __name__ == "__main__":
