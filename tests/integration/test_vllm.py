@@ -7,7 +7,6 @@ runs them, as CI does).
 
 import logging
 import os
-import threading
 import time
 
 import pytest
@@ -260,12 +259,16 @@ def test_stop_ends_a_running_batch_within_a_decoding_step(tokenizer, tmp_path):
         backend.publish(trainer._unwrapped_model(), 0)
         backend.refresh()
         prompts = [tokenizer("count to a thousand")["input_ids"]] * 4
-        stop = threading.Event()
-        timer = threading.Timer(0.2, stop.set)
-        timer.start()
+        polls = []
+
+        def stop_after_two_steps():  # the stop is asked for once per decoding step: set after the second
+            polls.append(time.perf_counter())
+            return len(polls) > 2
+
         start = time.perf_counter()
         with pytest.raises(GenerationStopped):
-            backend.generate(prompts, stop.is_set, seed=0)
+            backend.generate(prompts, stop_after_two_steps, seed=0)
+        assert len(polls) == 3  # seen at the first step after it was set, with up to 200 tokens left to decode
         assert time.perf_counter() - start < 5
         assert not backend.llm.llm_engine.has_unfinished_requests()  # aborted, nothing left running
         assert len(backend.generate(prompts[:1], None, seed=0).completion_ids) == 1  # the engine is still usable
