@@ -74,17 +74,19 @@ def parse_config(name: str) -> tuple[int, int, float]:
     return (4, 1, RATES[rate]) if regime == "k4" else (1, 2, RATES[rate])
 
 
-def _run_one(options, name: str, seed: int) -> dict:
+def approximation_trainer(model: str, name: str, seed: int, *, method: str, steps: int, quick: bool, prefix: str):
+    """The trainer of configuration ``name`` (``model``: the offline SmolLM2 or a path) with ``prox_logp_method=
+    method``, and the settings a record names it by. ``benchmarks/oracle.py`` trains the same configurations."""
     from a3po_trl import AsyncA3POConfig
     from a3po_trl.tasks.word_choice import make_word_choice_splits
 
     steps_per_batch, iterations, learning_rate = parse_config(name)
     train, _ = make_word_choice_splits(num_train=1000, num_held_out=4, seed=0)
-    prompts_per_step, generations, length = (1, 4, 8) if options.quick else (2, 8, 16)
+    prompts_per_step, generations, length = (1, 4, 8) if quick else (2, 8, 16)
     args = AsyncA3POConfig(
-        output_dir=tempfile.mkdtemp(prefix="a3po-approximation-"),
+        output_dir=tempfile.mkdtemp(prefix=prefix),
         seed=seed,
-        prox_logp_method="metrics",
+        prox_logp_method=method,
         per_device_train_batch_size=prompts_per_step * generations,
         num_generations=generations,
         steps_per_generation=steps_per_batch,
@@ -94,7 +96,7 @@ def _run_one(options, name: str, seed: int) -> dict:
         max_completion_length=length,
         temperature=0.7,
         learning_rate=learning_rate,
-        max_steps=options.steps,
+        max_steps=steps,
         logging_steps=1,
         save_strategy="no",
         report_to="none",
@@ -103,22 +105,22 @@ def _run_one(options, name: str, seed: int) -> dict:
         disable_tqdm=True,
         timeline=False,
     )
-    trainer = word_choice_trainer(options.model, args, train)
+    settings = {"steps_per_batch": steps_per_batch, "num_iterations": iterations, "learning_rate": learning_rate}
+    return word_choice_trainer(model, args, train), settings
+
+
+def _run_one(options, name: str, seed: int) -> dict:
+    trainer, settings = approximation_trainer(
+        options.model, name, seed, method="metrics", steps=options.steps, quick=options.quick,
+        prefix="a3po-approximation-",
+    )  # fmt: skip
     trainer.train()
     steps = [
         {"step": h["step"], **{k: h[k] for k in LOGGED if k in h}}
         for h in trainer.state.log_history
         if "step" in h and "loss" in h
     ]
-    return {
-        "config": name,
-        "seed": seed,
-        "steps_per_batch": steps_per_batch,
-        "num_iterations": iterations,
-        "learning_rate": learning_rate,
-        "steps": steps,
-        "kernels": kernel_info(),
-    }
+    return {"config": name, "seed": seed, **settings, "steps": steps, "kernels": kernel_info()}
 
 
 def stale_batch_steps(record: dict) -> list[dict]:

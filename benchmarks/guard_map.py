@@ -22,14 +22,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from benchmarks.common.intervals import (
-    equivalence_from_summary,
-    holm,
-    mean_interval,
-    paired_difference,
-    t_quantile,
-    t_test_p,
-)
+from benchmarks.common.intervals import holm, mean_interval, paired_test
 from benchmarks.common.runner import RunStore
 from benchmarks.proximal_map import EQUIVALENCE_MARGIN, SEEDS, _parser, parse_config, run_map_study
 
@@ -51,22 +44,10 @@ def family(by_config: dict, a: str, b: str, margin: float = EQUIVALENCE_MARGIN) 
         runs_a, runs_b = by_config.get(f"{a}-{cell}", {}), by_config.get(f"{b}-{cell}", {})
         if len(runs_a.keys() & runs_b.keys()) < 2:
             continue
-        interval = paired_difference(
-            {s: r["final_reward"] for s, r in runs_a.items()}, {s: r["final_reward"] for s, r in runs_b.items()}
-        )
-        dof = interval.n - 1
-        se = (interval.high - interval.low) / 2 / t_quantile(0.975, dof)
-        rows.append(
-            {
-                "cell": cell,
-                "mean": interval.mean,
-                "low": interval.low,
-                "high": interval.high,
-                "n": interval.n,
-                "p": t_test_p(interval.mean, se, dof),
-                "equivalence_p": equivalence_from_summary(interval.mean, se, dof, margin).p,
-            }
-        )
+        finals = [{seed: run["final_reward"] for seed, run in runs.items()} for runs in (runs_a, runs_b)]
+        test = paired_test(*finals, margin)
+        row = {"cell": cell, **{k: test[k] for k in ("mean", "low", "high")}, "n": len(test["seeds"])}
+        rows.append({**row, "p": test["p"], "equivalence_p": test["equivalence_p"]})
     for row, p, tost in zip(rows, holm([r["p"] for r in rows]), holm([r["equivalence_p"] for r in rows])):
         row["holm_p"], row["holm_equivalence_p"] = p, tost
         row["verdict"] = "difference" if p <= 0.05 else ("equivalent" if tost <= 0.05 else "not resolved")

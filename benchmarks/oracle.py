@@ -32,12 +32,11 @@ The decision it serves and its rule are registered in ``results/oracle/PREREGIST
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.approximation import parse_config
+from benchmarks.approximation import approximation_trainer, parse_config
 from benchmarks.common.anchor_estimators import TOKEN_FIELDS, encode_tokens
 from benchmarks.common.machine import kernel_info
 from benchmarks.common.runner import Cell, RunStore, run_study, study_parser
@@ -165,37 +164,10 @@ def _run_one(options, name: str, seed: int) -> dict:
 
 
 def _smollm2_trainer(options, name: str, seed: int):
-    from a3po_trl import AsyncA3POConfig
-    from a3po_trl.tasks.word_choice import make_word_choice_splits
-    from benchmarks.staleness import word_choice_trainer
-
-    steps_per_batch, iterations, learning_rate = parse_config(name)
-    train, _ = make_word_choice_splits(num_train=1000, num_held_out=4, seed=0)
-    prompts_per_step, generations, length = (1, 4, 8) if options.quick else (2, 8, 16)
-    args = AsyncA3POConfig(
-        output_dir=tempfile.mkdtemp(prefix="a3po-oracle-"),
-        seed=seed,
-        prox_logp_method="loglinear",
-        per_device_train_batch_size=prompts_per_step * generations,
-        num_generations=generations,
-        steps_per_generation=steps_per_batch,
-        num_iterations=iterations,
-        max_staleness=steps_per_batch * iterations,
-        reproducible_generation=True,
-        max_completion_length=length,
-        temperature=0.7,
-        learning_rate=learning_rate,
-        max_steps=options.steps or (8 if options.quick else 24),
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        bf16=False,
-        use_cpu=True,
-        disable_tqdm=True,
-        timeline=False,
+    steps = options.steps or (8 if options.quick else 24)
+    return approximation_trainer(
+        options.model, name, seed, method="loglinear", steps=steps, quick=options.quick, prefix="a3po-oracle-"
     )
-    settings = {"steps_per_batch": steps_per_batch, "num_iterations": iterations, "learning_rate": learning_rate}
-    return word_choice_trainer(options.model, args, train), settings
 
 
 def parse_map_config(name: str) -> tuple[int, int]:
@@ -207,56 +179,20 @@ def parse_map_config(name: str) -> tuple[int, int]:
 
 
 def _map_trainer(options, name: str, seed: int):
-    import torch
-    from transformers import PrinterCallback
-
-    from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
-    from a3po_trl.tasks.tiny_model import make_tiny_llama
-    from a3po_trl.tasks.token_preference import (
-        make_token_preference_prompts,
-        make_token_preference_tokenizer,
-        token_preference_reward,
-    )
-    from benchmarks.proximal_map import MAX_COMPLETION_LENGTH, NUM_GENERATIONS
+    from benchmarks.proximal_map import map_trainer
 
     staleness, steps_per_batch = parse_map_config(name)
-    torch.set_num_threads(1)
     steps = options.steps or (8 if options.quick else 48)
     prompts_per_step = 2 if options.quick else 8
-    tokenizer = make_token_preference_tokenizer()
-    args = AsyncA3POConfig(
-        output_dir=tempfile.mkdtemp(prefix="a3po-oracle-"),
-        per_device_train_batch_size=prompts_per_step * NUM_GENERATIONS,
-        steps_per_generation=steps_per_batch,
-        num_generations=NUM_GENERATIONS,
-        max_completion_length=MAX_COMPLETION_LENGTH,
-        temperature=1.0,
-        learning_rate=3e-2,
-        max_steps=steps,
-        max_staleness=staleness + steps_per_batch - 1,
-        reproducible_generation=True,
-        prox_logp_method="loglinear",
-        beta=0.0,
-        seed=seed,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        disable_tqdm=True,
-        timeline=False,
-        generation_num_threads=1,
-        training_num_threads=1,
-    )
-    trainer = AsyncA3POTrainer(
-        model=make_tiny_llama(tokenizer, seed=seed),
-        reward_funcs=[token_preference_reward(tokenizer, MAX_COMPLETION_LENGTH)],
-        args=args,
-        train_dataset=make_token_preference_prompts(steps * prompts_per_step * 2, seed=seed),
-        processing_class=tokenizer,
-    )
-    trainer.remove_callback(PrinterCallback)
-    settings = {"staleness": staleness, "steps_per_batch": steps_per_batch, "learning_rate": args.learning_rate}
+    trainer, _, _ = map_trainer(
+        "loglinear", staleness, steps_per_batch, 3e-2, seed, steps=steps, prompts_per_step=prompts_per_step,
+        temperature=1.0, prefix="a3po-oracle-",
+    )  # fmt: skip
+    settings = {
+        "staleness": staleness,
+        "steps_per_batch": steps_per_batch,
+        "learning_rate": trainer.args.learning_rate,
+    }
     return trainer, settings
 
 

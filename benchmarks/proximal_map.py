@@ -116,9 +116,14 @@ def _rates(options) -> dict[str, float]:
 
 
 # ---- one run (in the subprocess) --------------------------------------------------------------------------------
-def _run_one(options, name: str, seed: int) -> dict:
+def map_trainer(
+    method: str, staleness: int, steps_per_batch: int, learning_rate: float, seed: int, *, steps: int,
+    prompts_per_step: int, temperature: float, prefix: str = "a3po-proximal-map-",
+):  # fmt: skip
+    """A map cell's trainer (the tiny Llama of ``seed`` on the token-preference task, one thread each), with its
+    tokenizer and reward: ``benchmarks/oracle.py`` trains the same cells."""
     import torch
-    from transformers import PrinterCallback, TrainerCallback
+    from transformers import PrinterCallback
 
     from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
     from a3po_trl.tasks.tiny_model import make_tiny_llama
@@ -128,23 +133,21 @@ def _run_one(options, name: str, seed: int) -> dict:
         token_preference_reward,
     )
 
-    method, staleness, steps_per_batch, rate = parse_config(name)
     torch.set_num_threads(1)
     tokenizer = make_token_preference_tokenizer()
     model = make_tiny_llama(tokenizer, seed=seed)
     reward = token_preference_reward(tokenizer, MAX_COMPLETION_LENGTH)
-    batch = options.prompts_per_step * NUM_GENERATIONS
-    prompts = make_token_preference_prompts(options.steps * options.prompts_per_step * 2, seed=seed)
+    prompts = make_token_preference_prompts(steps * prompts_per_step * 2, seed=seed)
     args = AsyncA3POConfig(
-        output_dir=tempfile.mkdtemp(prefix="a3po-proximal-map-"),
-        per_device_train_batch_size=batch,
+        output_dir=tempfile.mkdtemp(prefix=prefix),
+        per_device_train_batch_size=prompts_per_step * NUM_GENERATIONS,
         steps_per_generation=steps_per_batch,
         gradient_accumulation_steps=1,
         num_generations=NUM_GENERATIONS,
         max_completion_length=MAX_COMPLETION_LENGTH,
-        temperature=options.temperature,
-        learning_rate=_rates(options)[rate],
-        max_steps=options.steps,
+        temperature=temperature,
+        learning_rate=learning_rate,
+        max_steps=steps,
         max_staleness=staleness + steps_per_batch - 1,
         reproducible_generation=True,
         prox_logp_method=method,
@@ -160,6 +163,22 @@ def _run_one(options, name: str, seed: int) -> dict:
         generation_num_threads=1,
         training_num_threads=1,
     )
+    trainer = AsyncA3POTrainer(
+        model=model, reward_funcs=[reward], args=args, train_dataset=prompts, processing_class=tokenizer
+    )
+    trainer.remove_callback(PrinterCallback)  # the per-step numbers go into the record, not into the log
+    return trainer, tokenizer, reward
+
+
+def _run_one(options, name: str, seed: int) -> dict:
+    from transformers import TrainerCallback
+
+    method, staleness, steps_per_batch, rate = parse_config(name)
+    trainer, tokenizer, reward = map_trainer(
+        method, staleness, steps_per_batch, _rates(options)[rate], seed, steps=options.steps,
+        prompts_per_step=options.prompts_per_step, temperature=options.temperature,
+    )  # fmt: skip
+    args = trainer.args
     evaluations: dict[int, float] = {}
 
     class Evaluate(TrainerCallback):
@@ -170,11 +189,7 @@ def _run_one(options, name: str, seed: int) -> dict:
             if state.global_step % options.eval_every == 0 or state.global_step == state.max_steps:
                 evaluations[state.global_step] = _evaluate(trainer, tokenizer, reward, options, seed)
 
-    trainer = AsyncA3POTrainer(
-        model=model, reward_funcs=[reward], args=args, train_dataset=prompts, processing_class=tokenizer
-    )
     trainer.add_callback(Evaluate())
-    trainer.remove_callback(PrinterCallback)  # the per-step numbers go into the record, not into the log
     started = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - started

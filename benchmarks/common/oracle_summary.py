@@ -47,12 +47,7 @@ def scored_run(record: dict) -> dict[str, np.ndarray]:
 
 def _units(runs: dict[int, dict]) -> list[dict[str, np.ndarray]]:
     """The units of a configuration's interval: its seeds, or with one seed its batches."""
-    if len(runs) > 1:
-        return list(runs.values())
-    (run,) = runs.values()
-    return [
-        {k: v[run["batch"] == batch] for k, v in run.items() if k != "numerics"} for batch in np.unique(run["batch"])
-    ]
+    return list(runs.values()) if len(runs) > 1 else _batches(runs)
 
 
 def configuration_summary(runs: dict[int, dict]) -> dict:
@@ -155,6 +150,7 @@ def guard_defaults(summaries: dict[str, dict]) -> dict:
 
 
 def _batches(runs: dict[int, dict]) -> list[dict[str, np.ndarray]]:
+    """Every run's scored tokens, batch by batch (the per-run ``numerics`` left out)."""
     return [
         {k: v[run["batch"] == batch] for k, v in run.items() if k != "numerics"}
         for run in runs.values()
