@@ -494,3 +494,64 @@ class Lockstep:
         forward = earlier.unsqueeze(1) + torch.arange(mask.size(1)).expand_as(mask)
         switched = start + (forward >= SWITCH_AFTER).long() if index >= self.lag else torch.full_like(forward, start)
         return torch.where(mask, switched, torch.full_like(forward, -1))
+
+
+class WrongInterpolation:
+    """A-3PO's interpolation made wrong on purpose (weight -20 on the behavior log-probs instead of ``1/d``: far past
+    both ends) while ``trainer``'s step is in ``wrong_steps`` and ``process`` (every process by default) is the
+    trainer's, right otherwise: what ``prox_logp_method="guarded"``'s tests put in place of
+    ``a3po_trl.losses.approximate_proximal_logps``."""
+
+    def __init__(self, trainer, wrong_steps, process: int | None = None):
+        self.trainer, self.wrong_steps, self.process = trainer, set(wrong_steps), process
+
+    def __call__(self, behavior_logps, current_logps, staleness):
+        from a3po_trl.functional import approximate_proximal_logps
+
+        here = self.process is None or self.trainer.accelerator.process_index == self.process
+        if here and self.trainer.state.global_step in self.wrong_steps:
+            return -20.0 * behavior_logps + 21.0 * current_logps.detach()
+        return approximate_proximal_logps(behavior_logps, current_logps, staleness)
+
+
+#: accelerate configurations of two CPU processes (gloo), by name, for the launch tests. `--cpu` / MULTI_CPU would
+#: start ONE process: MULTI_GPU with use_cpu=True in the training arguments gives two gloo ranks.
+ACCELERATE_CONFIGS = {
+    "ddp": """
+        distributed_type: MULTI_GPU
+        num_processes: 2
+        gpu_ids: all
+        """,
+    "zero2": """
+        distributed_type: DEEPSPEED
+        deepspeed_config:
+          zero_stage: 2
+          offload_optimizer_device: none
+          offload_param_device: none
+          zero3_init_flag: false
+        num_processes: 2
+        """,
+    "zero3": """
+        distributed_type: DEEPSPEED
+        deepspeed_config:
+          zero_stage: 3
+          offload_optimizer_device: none
+          offload_param_device: none
+          zero3_init_flag: false
+        num_processes: 2
+        """,
+}
+_ACCELERATE_COMMON = """
+compute_environment: LOCAL_MACHINE
+mixed_precision: "no"
+num_machines: 1
+machine_rank: 0
+main_process_port: {port}
+"""
+
+
+def accelerate_config(name: str, port: int) -> str:
+    """The YAML of accelerate configuration ``name`` (:data:`ACCELERATE_CONFIGS`) on ``port``."""
+    import textwrap
+
+    return _ACCELERATE_COMMON.format(port=port) + textwrap.dedent(ACCELERATE_CONFIGS[name])

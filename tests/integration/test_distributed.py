@@ -7,53 +7,17 @@ step count, the generator's version and its weights, and the launcher must exit 
 import json
 import os
 import sys
-import textwrap
 
 import pytest
-from helpers import free_port, run_process_tree
+from helpers import accelerate_config, free_port, run_process_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "distributed_tiny.py")
 
-CONFIGS = {
-    # `--cpu` / MULTI_CPU would start ONE process: MULTI_GPU with use_cpu=True in the training arguments gives
-    # two gloo ranks.
-    "ddp": """
-        distributed_type: MULTI_GPU
-        num_processes: 2
-        gpu_ids: all
-        """,
-    "zero2": """
-        distributed_type: DEEPSPEED
-        deepspeed_config:
-          zero_stage: 2
-          offload_optimizer_device: none
-          offload_param_device: none
-          zero3_init_flag: false
-        num_processes: 2
-        """,
-    "zero3": """
-        distributed_type: DEEPSPEED
-        deepspeed_config:
-          zero_stage: 3
-          offload_optimizer_device: none
-          offload_param_device: none
-          zero3_init_flag: false
-        num_processes: 2
-        """,
-}
-COMMON = """
-compute_environment: LOCAL_MACHINE
-mixed_precision: "no"
-num_machines: 1
-machine_rank: 0
-main_process_port: {port}
-"""
-
 
 def _launch(tmp_path, name, lora, port, *extra, check=True):
     config = tmp_path / f"{name}.yaml"
-    config.write_text(COMMON.format(port=port) + textwrap.dedent(CONFIGS[name]))
+    config.write_text(accelerate_config(name, port))
     out = tmp_path / "out"
     out.mkdir()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}

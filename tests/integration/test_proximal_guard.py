@@ -5,13 +5,20 @@ import copy
 
 import pytest
 import torch
-from helpers import StopAt, first_batch_with_logps, logged, logged_after, make_trainer, model_weights
+from helpers import (
+    StopAt,
+    WrongInterpolation,
+    first_batch_with_logps,
+    logged,
+    logged_after,
+    make_trainer,
+    model_weights,
+)
 from peft import LoraConfig
 from tiny import make_model
 from transformers import TrainerCallback
 
 import a3po_trl.losses
-from a3po_trl.functional import approximate_proximal_logps
 from a3po_trl.proximal_guard import STATE_FILE, WEIGHTS_FILE
 
 #: Two optimizer steps per generation batch (8 completions, 4 per micro-batch), each batch generated with the
@@ -27,23 +34,9 @@ SETTINGS = dict(
 )
 
 
-class _WrongInterpolation:
-    """Makes A-3PO's interpolation wrong on purpose (weight -20 on the behavior log-probs instead of ``1/d``: far
-    past both ends) while the trainer's step is in ``wrong_steps``, and right otherwise."""
-
-    def __init__(self, trainer, wrong_steps):
-        self.trainer, self.wrong_steps = trainer, set(wrong_steps)
-
-    def __call__(self, behavior_logps, current_logps, staleness):
-        if self.trainer.state.global_step in self.wrong_steps:
-            current = current_logps.detach()
-            return -20.0 * behavior_logps + 21.0 * current
-        return approximate_proximal_logps(behavior_logps, current_logps, staleness)
-
-
 def _guarded(tokenizer, tmp_path, monkeypatch, wrong_steps=(), **overrides):
     trainer = make_trainer(tokenizer, tmp_path, **{**SETTINGS, **overrides})
-    monkeypatch.setattr(a3po_trl.losses, "approximate_proximal_logps", _WrongInterpolation(trainer, wrong_steps))
+    monkeypatch.setattr(a3po_trl.losses, "approximate_proximal_logps", WrongInterpolation(trainer, wrong_steps))
     return trainer
 
 

@@ -6,35 +6,12 @@ backward, so a copy taken after it would make the reference the trained weights'
 import json
 import os
 import sys
-import textwrap
 
 import pytest
-from helpers import free_port, launch_fsdp2, run_process_tree
+from helpers import accelerate_config, free_port, launch_fsdp2, run_process_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "guarded_tiny.py")
-COMMON = """
-compute_environment: LOCAL_MACHINE
-num_processes: 2
-mixed_precision: "no"
-num_machines: 1
-machine_rank: 0
-main_process_port: {port}
-"""
-CONFIGS = {
-    "ddp": """
-        distributed_type: MULTI_GPU
-        gpu_ids: all
-        """,
-    "zero3": """
-        distributed_type: DEEPSPEED
-        deepspeed_config:
-          zero_stage: 3
-          offload_optimizer_device: none
-          offload_param_device: none
-          zero3_init_flag: false
-        """,
-}
 
 
 def _launch(tmp_path, name, lora):
@@ -42,7 +19,7 @@ def _launch(tmp_path, name, lora):
     if name == "fsdp2":
         return launch_fsdp2(tmp_path, SCRIPT, *flags, "--fsdp2", timeout=900)
     config = tmp_path / f"{name}.yaml"
-    config.write_text(COMMON.format(port=free_port()) + textwrap.dedent(CONFIGS[name]))
+    config.write_text(accelerate_config(name, free_port()))
     out = tmp_path / "out"
     out.mkdir()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}

@@ -16,12 +16,11 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from helpers import distributed_script_config, logged  # noqa: E402
+from helpers import WrongInterpolation, distributed_script_config, logged  # noqa: E402
 from tiny import length_reward, make_model, make_prompts, make_tokenizer  # noqa: E402
 
 import a3po_trl.losses  # noqa: E402
 from a3po_trl import AsyncA3POTrainer  # noqa: E402
-from a3po_trl.functional import approximate_proximal_logps  # noqa: E402
 
 
 def main():
@@ -54,12 +53,8 @@ def main():
         processing_class=tokenizer,
     )
 
-    def interpolation(behavior_logps, current_logps, staleness):
-        if trainer.accelerator.process_index == 1 and trainer.state.global_step in (2, 3):
-            return -20.0 * behavior_logps + 21.0 * current_logps.detach()  # wrong on purpose, on this process
-        return approximate_proximal_logps(behavior_logps, current_logps, staleness)
-
-    a3po_trl.losses.approximate_proximal_logps = interpolation
+    # wrong on purpose on process 1 only, while batch 1 trains
+    a3po_trl.losses.approximate_proximal_logps = WrongInterpolation(trainer, wrong_steps=(2, 3), process=1)
     trainer.train()
     guard = trainer.proximal_guard
     report = {
