@@ -61,6 +61,9 @@ from benchmarks.common.study_plot import plot_study
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("behavior", "recompute", "loglinear")
+#: Every ``prox_logp_method`` a configuration may name: the study's three and the guard (its SmolLM2 evaluation,
+#: ``benchmarks/guard_smollm2.py``, runs these same runs).
+RUNNABLE_METHODS = (*METHODS, "guarded")
 STALENESS = (0, 2, 4, 8)
 CONFIGS = tuple(f"{method}-s{staleness}" for staleness in STALENESS for method in METHODS)
 #: The pre-registered confirmation (results/staleness/PREREGISTRATION.md): configurations, seeds, folder.
@@ -84,6 +87,10 @@ LOGGED = (
     "a3po/behavior_drift_per_version_mean",
     "a3po/staleness_mean",
     "a3po/prox_time",
+    "a3po/prox_check_error",
+    "a3po/prox_check_error_relative",
+    "a3po/prox_recompute_fraction",
+    "a3po/prox_check_time",
     "step_time",
 )
 
@@ -119,10 +126,10 @@ def _parse_config(name: str) -> tuple[str, int, int]:
         rest, k = name.rsplit("-k", 1)
         steps = int(k) if k.isdigit() and int(k) >= 1 else 0
     method, _, staleness = rest.rpartition("-s")
-    if method not in METHODS or not staleness.isdigit() or steps < 1:
+    if method not in RUNNABLE_METHODS or not staleness.isdigit() or steps < 1:
         raise SystemExit(
             f"unknown configuration {name!r}: use <method>-s<max_staleness>[-k<steps per generation batch>], method "
-            f"one of {METHODS}"
+            f"one of {RUNNABLE_METHODS}"
         )
     return method, int(staleness), steps
 

@@ -28,7 +28,7 @@ def plot_study(runs: dict[str, list[dict]], names: list[str], path: Path, parse_
     figure, axes = plt.subplots(
         2, len(staleness_values), figsize=(3.6 * len(staleness_values), 6.4), sharey="row", squeeze=False
     )
-    colors = {"behavior": "tab:red", "recompute": "tab:blue", "loglinear": "tab:green"}
+    colors = {"behavior": "tab:red", "recompute": "tab:blue", "loglinear": "tab:green", "guarded": "tab:purple"}
     for column, staleness in enumerate(staleness_values):
         for name in names:
             method, *value = parse_config(name)
