@@ -55,6 +55,46 @@ def wait_for_copies(devices: Iterable[torch.device]) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
+class StreamFence:
+    """A point in the work queued so far on the calling thread's current stream of each CUDA device named: events
+    recorded there, which another thread's stream can wait for without the host waiting (:meth:`wait_on_device`),
+    or a host thread that reads the memory itself can wait for (:meth:`wait_on_host`). The weight staging fences its
+    buffers with these both ways: the generation thread's stream waits for the copies that filled a version, and the
+    next fill of the same buffers waits for the generation thread's copies out of them. No CUDA device named: an
+    empty fence (the host ran the work itself), and both waits are no-ops."""
+
+    def __init__(self, events: list | None = None):
+        self.events = events or []
+
+    @classmethod
+    def record(cls, devices: Iterable[torch.device]) -> StreamFence:
+        """Events on the calling thread's current stream of every CUDA device in ``devices`` (each once)."""
+        events = []
+        for device in {explicit_device(d) for d in devices if torch.device(d).type == "cuda"}:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            events.append(event)
+        return cls(events)
+
+    def wait_on_device(self, devices: Iterable[torch.device]) -> None:
+        """Make the calling thread's current stream of every CUDA device in ``devices`` wait for the fence before it
+        runs what is queued next (the host does not wait)."""
+        if not self.events:
+            return
+        for device in {explicit_device(d) for d in devices if torch.device(d).type == "cuda"}:
+            stream = torch.cuda.current_stream(device)
+            for event in self.events:
+                stream.wait_event(event)
+
+    def wait_on_host(self) -> None:
+        """Block the calling thread until the fenced work is done (for a reader that reads host memory itself)."""
+        for event in self.events:
+            event.synchronize()
+
+    def __bool__(self) -> bool:
+        return bool(self.events)
+
+
 #: The priority of the generation thread's CUDA stream: CUDA runs a lower number first, and torch maps -1 to its
 #: high-priority streams. The generator's decode steps are many small kernels that the next token waits on; at the
 #: training stream's priority (0) they queue behind training's large kernels whenever the two threads overlap.

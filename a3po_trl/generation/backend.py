@@ -14,8 +14,11 @@ dtype rules of :mod:`a3po_trl.generation.weights`):
   :meth:`GenerationBackend.generate` runs a batch with it;
 - :meth:`GenerationBackend.close` releases the engine.
 
-The store's lock is held while a backend loads a version, so the main thread never overwrites the buffer it reads; a
-backend whose loads copy asynchronously (CUDA) waits for them before it returns.
+The store keeps the main thread from overwriting the buffers a backend loads from until the load is done. On CUDA no
+host waits for the other thread's copies: a backend that reads the buffers on its generation thread's stream
+(:attr:`GenerationBackend.reads_staging_on_host` False, the ``generate`` backend on a GPU) has that stream wait for the
+copies that filled them, and the next fill wait for its reads, by events; the others wait for the fill on the
+generation thread's host (never on the training thread's).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from torch import nn
 
 from ..devices import explicit_device
+from ..metrics.deferred import DeferredSeconds
 from ..timeline import record_in_batch_span
 from ..types import GeneratedCompletions
 from .weights import VersionedWeights
@@ -62,10 +66,19 @@ class GenerationBackend(ABC):
     def keep_versions(self, value: bool) -> None:
         self.weights.keep_versions = bool(value)
 
+    @property
+    def reads_staging_on_host(self) -> bool:
+        """Whether :meth:`load_weights` reads the staging buffers on the host, or on streams of its own (an engine's),
+        so that the generation thread's host must wait for the copies that filled them. False only for a backend
+        whose loads are queued on the generation thread's current CUDA stream of :attr:`device` (the staging store
+        then orders them by events)."""
+        return True
+
     # ---- main thread ---------------------------------------------------------------------------------------------
-    def publish(self, module: nn.Module, version: int, trainer_state: Any = None) -> float:
+    def publish(self, module: nn.Module, version: int, trainer_state: Any = None) -> DeferredSeconds | float:
         """Stage ``module``'s trainable weights as ``version``, with a snapshot of the trainer state at that version,
-        loaded with them. Returns seconds. Main thread, on every process together when the weights are sharded."""
+        loaded with them. Returns its seconds (device time read at log time on CUDA). Main thread, on every process
+        together when the weights are sharded."""
         return self.weights.publish(module, version, trainer_state)
 
     def reset(self) -> None:
@@ -97,7 +110,10 @@ class GenerationBackend(ABC):
             self.version = version
             self.trainer_state = trainer_state
 
-        return self.weights.load_newer(self.version, exact, load) is not None
+        loaded = self.weights.load_newer(
+            self.version, exact, load, on_host=self.reads_staging_on_host, reader_devices=(self.device,)
+        )
+        return loaded is not None
 
     def finish_batch(self, next_version: int | None, error: BaseException | None = None) -> None:
         """The generation thread is done with the batch it refreshed for (``error``: the batch failed with it). Its
@@ -121,8 +137,10 @@ class GenerationBackend(ABC):
     @abstractmethod
     def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
         """Make generation use ``weights`` (the trainable weights of ``version``, by training-module name). The tensors
-        are the staging buffers: copy what must outlive the call, and wait for asynchronous copies before returning
-        (:func:`~a3po_trl.devices.wait_for_copies`): the main thread may overwrite the buffers right after."""
+        are the staging buffers: copy what must outlive the call. The main thread may overwrite them once it returns:
+        a backend whose copies out of them are queued on the generation thread's current stream says so
+        (:attr:`reads_staging_on_host` False) and the store orders the next fill after them; any other waits for its
+        asynchronous copies before returning (:func:`~a3po_trl.devices.wait_for_copies`)."""
 
     @abstractmethod
     def generate(

@@ -43,6 +43,16 @@ class DeferredSeconds:
     def __float__(self) -> float:
         return self.seconds()
 
+    def __add__(self, other: DeferredSeconds | float) -> DeferredSeconds:
+        """The two totals together, still unread (seconds accumulated over several publications)."""
+        if isinstance(other, DeferredSeconds):
+            return DeferredSeconds(self.host_seconds + other.host_seconds, self.events + other.events)
+        if isinstance(other, (int, float)):
+            return DeferredSeconds(self.host_seconds + other, list(self.events))
+        return NotImplemented
+
+    __radd__ = __add__
+
 
 class IntervalTimer:
     """Accumulates the time of intervals of device work without waiting for the device (see the module's doc)."""

@@ -128,6 +128,27 @@ def test_a_micro_step_never_reads_the_device(tokenizer, tmp_path, method, overri
         assert all(seconds > 0 for seconds in metrics["a3po/prox_time"][:1])
 
 
+def test_on_a_gpu_trls_fused_lm_head_waits_once_per_training_forward(tokenizer, tmp_path, monkeypatch):
+    """Where Triton runs (CUDA), TRL's fused LM head scores only the labelled positions: ``hidden_states[mask]`` and
+    ``labels[mask]``, two boolean-mask indexes whose sizes the host must read, per forward chunk
+    (``add_fused_lm_head``'s forward in ``trl/trainer/utils.py``). On CPU that path is off, so the count above is 0;
+    switched on here (its compaction only: the chunks still take torch's path), the micro-step makes exactly those
+    reads and no other: what a first GPU run will show (docs/GPU.md, "No device wait in the training thread"). Fails
+    when TRL changes it, either way."""
+    import trl.trainer.utils as trl_utils
+
+    trainer = make_trainer(tokenizer, tmp_path, prox_logp_method="loglinear")
+    micro_batches = _micro_batches(trainer)
+    monkeypatch.setattr(trl_utils, "_use_triton", lambda device: True)
+    forwards = []
+    original_forward = trainer.model.forward
+    monkeypatch.setattr(trainer.model, "forward", lambda *a, **k: forwards.append(1) or original_forward(*a, **k))
+    inputs = micro_batches[0]
+    with counting_host_reads([inputs["batch_index"], inputs["versions_training_batch"]]) as counts:
+        trainer.compute_loss(trainer.model, inputs).backward()
+    assert forwards and counts == {"boolean index": 2 * len(forwards)}, (dict(counts), len(forwards))
+
+
 def test_the_logged_metrics_are_floats_and_missing_values_are_not_logged(tokenizer, tmp_path):
     """After ``train()`` the history holds floats; a metric without value at a step (the behavior mismatch needs
     on-policy tokens, which a staleness-0 run always has; the drift per version needs stale ones) is left out."""

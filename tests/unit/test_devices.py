@@ -123,3 +123,57 @@ def test_the_generation_stream_is_requested_at_high_priority(monkeypatch):
     devices.generation_stream(torch.device("cuda", 1))
     assert requested == [(torch.device("cuda", 1), devices.GENERATION_STREAM_PRIORITY)]
     assert devices.GENERATION_STREAM_PRIORITY < 0  # CUDA runs a lower number first; the default stream is 0
+
+
+class FakeEvents:
+    """torch.cuda's events and current streams, logging what is recorded, waited for on a stream, and on the host."""
+
+    def __init__(self, monkeypatch):
+        self.log = []
+        fake = self
+
+        class Event:
+            count = 0
+
+            def __init__(self):
+                Event.count += 1
+                self.name = f"event{Event.count}"
+
+            def record(self, stream):
+                fake.log.append(("record", self.name, stream.device))
+
+            def synchronize(self):
+                fake.log.append(("host waits", self.name))
+
+        class Stream:
+            def __init__(self, device):
+                self.device = str(device)
+
+            def wait_event(self, event):
+                fake.log.append(("stream waits", event.name, self.device))
+
+            def synchronize(self):
+                fake.log.append(("host waits", "stream", self.device))
+
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(explicit_device(device)))
+
+
+def test_a_stream_fence_records_on_the_current_streams_and_is_waited_for_by_a_stream_or_by_the_host(monkeypatch):
+    from a3po_trl.devices import StreamFence
+
+    fake = FakeEvents(monkeypatch)
+    fence = StreamFence.record([torch.device("cpu"), torch.device("cuda"), torch.device("cuda:0")])
+    assert fake.log == [("record", "event1", "cuda:0")]  # "cuda" is cuda:0: one event; the host has none
+    fake.log.clear()
+    fence.wait_on_device([torch.device("cuda:1"), torch.device("cpu")])
+    assert fake.log == [("stream waits", "event1", "cuda:1")]  # another device's stream; the host does not wait
+    fake.log.clear()
+    fence.wait_on_host()
+    assert fake.log == [("host waits", "event1")]
+    fake.log.clear()
+    empty = StreamFence.record([torch.device("cpu")])  # work the host ran itself: nothing to wait for
+    empty.wait_on_device([torch.device("cuda:0")])
+    empty.wait_on_host()
+    assert not empty and fake.log == []

@@ -150,10 +150,16 @@ class HFGenerateBackend(GenerationBackend):
         self._sampling_generator = torch.Generator(device=self.device) if settings.own_random_stream else None
         self._fallback_warned = False
 
+    @property
+    def reads_staging_on_host(self) -> bool:
+        # on a GPU the copies below are queued on the generation thread's stream, ordered by the store's events
+        return self.device.type != "cuda"
+
     def load_weights(self, weights, version):
         for name, param in self._own.items():
             param.copy_(weights[name], non_blocking=True)
-        wait_for_copies([self.device, *(t.device for t in weights.values())])
+        if self.reads_staging_on_host:  # e.g. a CPU generator fed from a GPU: nothing orders these copies but a wait
+            wait_for_copies([self.device, *(t.device for t in weights.values())])
 
     def generate(self, prompt_ids, should_stop, seed):
         settings = self.settings

@@ -14,6 +14,14 @@ it, and publishes it under the lock again; a reader marks a version's set as in 
 without it, and releases it. A publication that needs the set a reader uses waits for the reader (on a condition,
 the lock released), and a reader that wants a version being written waits for the publication.
 
+On CUDA neither thread's host waits for the other's copies (:class:`~a3po_trl.devices.StreamFence`): a fill records
+an event after its copies on the main thread's stream, and a reader's stream waits for it before loading; a reader
+records an event after its load, and the next fill of the same set makes the main thread's stream wait for it before
+overwriting the buffers. The training thread queues the copies and goes on (the optimizer step before them and the
+copies themselves run on the device meanwhile). A reader that reads the buffers on the host (a file written for a vLLM
+server, a checkpoint's copy, an engine loading on streams of its own) waits for the fill's event on its own host
+thread instead.
+
 Each version is one allocation (:class:`StagingLayout`): a flat byte buffer with one view per weight, each at an
 offset aligned to :data:`STAGING_ALIGNMENT`, so a version's staged bytes are its weights' bytes in the generator's
 dtype (plus at most that alignment per weight). Pinned host memory is pinned by registering that one buffer with
@@ -30,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -39,7 +46,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...devices import wait_for_copies
+from ...devices import StreamFence
+from ...metrics.deferred import DeferredSeconds, IntervalTimer
 from .gather import ParameterGather
 
 logger = logging.getLogger(__name__)
@@ -189,6 +197,10 @@ class VersionedWeights:
         self._retired: dict[int, dict[str, torch.Tensor]] = {}
         """Sets dropped while in use: free once their last reader is done (by ``id``)."""
         self._newest = -1
+        self._filled: dict[int, StreamFence] = {}
+        """The fence after the copies that filled each set (by ``id`` of the set): readers wait for it."""
+        self._read: dict[int, list[StreamFence]] = {}
+        """Fences after the reads of each set since its last fill (by ``id``): its next fill waits for them."""
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         """Notified whenever a set is freed or a version is published (the lock is the condition's)."""
@@ -200,16 +212,19 @@ class VersionedWeights:
 
     # ---- main thread ---------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def publish(self, module: nn.Module, version: int, trainer_state: Any = None) -> float:
+    def publish(self, module: nn.Module, version: int, trainer_state: Any = None) -> DeferredSeconds | float:
         """Copy ``module``'s trainable weights into a staging buffer as ``version``, with the trainer state at that
-        version. Returns seconds. On every process together when the weights are sharded: every parameter goes through
-        the gather, one at a time, straight into the buffer (never a second whole copy of the weights). The store's
-        lock is not held during the gather: a reader is never kept waiting by another process's collective."""
-        start = time.perf_counter()
+        version. Returns the seconds it took: on CUDA the device time of the gathers and copies, from events read at
+        log time (the host does not wait for them here); elsewhere the wall-clock time. On every process together
+        when the weights are sharded: every parameter goes through the gather, one at a time, straight into the
+        buffer (never a second whole copy of the weights). The store's lock is not held during the gather: a reader
+        is never kept waiting by another process's collective."""
         params = dict(module.named_parameters())
         weights = lambda: self.gather.full_tensors((name, params[name]) for name in self.names)  # noqa: E731
-        self._write(version, weights, trainer_state)
-        return time.perf_counter() - start
+        timer = IntervalTimer()
+        with timer.time(next(iter(params.values())).device if params else self.layout.device):
+            self._write(version, weights, trainer_state)
+        return timer.take()
 
     @torch.no_grad()
     def restore(self, version: int, weights: dict[str, torch.Tensor], trainer_state: Any = None) -> None:
@@ -241,12 +256,14 @@ class VersionedWeights:
 
     def kept(self, before: int, since: int = 0) -> dict[int, tuple[dict[str, torch.Tensor], Any]]:
         """CPU copies of the kept versions from ``since`` to ``before - 1``, with their trainer states (for a
-        checkpoint); each its own tensor (never a view of a version's buffer), copied without the lock."""
+        checkpoint); each its own tensor (never a view of a version's buffer), copied without the lock (after the
+        copies that filled them are done: a host read)."""
         with self._lock:
             held = {v: entry for v, entry in self._published.items() if since <= v < before}
-            for buffers, _ in held.values():
-                self._use(buffers)
+            fences = [self._use(buffers) for buffers, _ in held.values()]
         try:
+            for fence in fences:
+                fence.wait_on_host()
             return {
                 v: ({name: t.detach().to("cpu", copy=True) for name, t in buffers.items()}, trainer_state)
                 for v, (buffers, trainer_state) in held.items()
@@ -260,25 +277,40 @@ class VersionedWeights:
     @contextlib.contextmanager
     def holding(self, version: int) -> Iterator[tuple[dict[str, torch.Tensor], Any] | None]:
         """``(buffers, trainer_state)`` of ``version`` while the block runs, the main thread kept from overwriting
-        them (the store's lock is not held meanwhile); ``None`` when that version is not held (any more)."""
+        them (the store's lock is not held meanwhile); ``None`` when that version is not held (any more). For a
+        reader on the host: the copies that filled the buffers are done when the block starts."""
         with self._lock:
             entry = self._published.get(version)
-            if entry is not None:
-                self._use(entry[0])
+            fence = self._use(entry[0]) if entry is not None else None
         try:
+            if fence is not None:
+                fence.wait_on_host()
             yield entry
         finally:
             if entry is not None:
                 with self._lock:
                     self._done_with(entry[0])
 
-    def load_newer(self, loaded: int, exact: int | None, load: Callable[[dict[str, torch.Tensor], int, Any], None]):
+    def load_newer(
+        self,
+        loaded: int,
+        exact: int | None,
+        load: Callable[[dict[str, torch.Tensor], int, Any], None],
+        *,
+        on_host: bool = True,
+        reader_devices: Iterable[torch.device] = (),
+    ):
         """Call ``load(buffers, version, trainer_state)`` with the newest version if it is newer than ``loaded``, or
         (``exact``) with exactly version ``exact`` unless it is the one ``loaded``. Returns the version loaded, or
         None when there was nothing to load. A newer version being published when none is held waits for that
         publication. ``load`` runs without the store's lock, its buffers kept from the main thread until it returns.
         An ``exact`` version that is not held is an error: versions are kept only with :attr:`keep_versions`, until
-        the batch generated with them has been consumed."""
+        the batch generated with them has been consumed.
+
+        The fill's copies: ``on_host``, the calling thread waits for them before ``load`` (a reader that reads the
+        buffers on the host, or on streams of its own); otherwise ``load`` queues its reads on this thread's current
+        streams of ``reader_devices`` (and of the buffers' device), which wait for them on the device, and an event
+        recorded after ``load`` keeps the next fill of these buffers from overwriting them before those reads ran."""
         with self._lock:
             while True:
                 if exact is None:
@@ -303,11 +335,20 @@ class VersionedWeights:
                     "with keep_versions=True and until the batch generated with it has been consumed."
                 )
             buffers, trainer_state = self._published[target]
-            self._use(buffers)
+            filled = self._use(buffers)
+        devices = [self.layout.device, *reader_devices]
+        read = None
         try:
+            if on_host:
+                filled.wait_on_host()
+            else:
+                filled.wait_on_device(devices)
             load(buffers, target, trainer_state)
+            read = None if on_host else StreamFence.record(devices)
         finally:
             with self._lock:
+                if read:
+                    self._read.setdefault(id(buffers), []).append(read)
                 self._done_with(buffers)
         return target
 
@@ -352,17 +393,31 @@ class VersionedWeights:
             return buffers
 
     def _fill(self, version: int, buffers: dict[str, torch.Tensor], weights: Iterable[tuple[str, torch.Tensor]]):
+        """Copy ``weights`` into ``buffers`` on the calling thread's current streams, after the reads of the set
+        since its last fill (their fences; no host wait), and fence the copies for the readers."""
+        with self._lock:  # the set is claimed: no reader adds to these while it is filled
+            reads = self._read.pop(id(buffers), [])
+            self._filled.pop(id(buffers), None)
         copied, devices = set(), {self.layout.device}
+        for read in reads:
+            read.wait_on_device(devices)
         for name, tensor in weights:
+            if tensor.device not in devices:  # a device whose stream has not waited for the reads yet
+                devices.add(tensor.device)
+                for read in reads:
+                    read.wait_on_device([tensor.device])
             buffers[name].copy_(tensor, non_blocking=True)
             copied.add(name)
-            devices.add(tensor.device)
         if copied != set(self.names):
             raise RuntimeError(f"Weights of version {version} lack {sorted(set(self.names) - copied)}.")
-        wait_for_copies(devices)  # whole before the generation thread's stream reads them
+        filled = StreamFence.record(devices)  # readers wait for this, on their stream or their host thread
+        with self._lock:
+            self._filled[id(buffers)] = filled
 
-    def _use(self, buffers) -> None:
+    def _use(self, buffers) -> StreamFence:
+        """Under the lock: one more reader of ``buffers``; returns the fence its reads must wait for."""
         self._readers[id(buffers)] = self._readers.get(id(buffers), 0) + 1
+        return self._filled.get(id(buffers), StreamFence())
 
     def _done_with(self, buffers) -> None:
         key = id(buffers)
