@@ -49,6 +49,7 @@ from .generation.weights.memory_plan import (
     GeneratorSetup,
     available_host_memory,
     free_device_memory,
+    kv_bytes_per_token,
     plan_generator_memory_choosing_staging,
     processes_on_node,
 )
@@ -107,10 +108,13 @@ def build_backend(trainer) -> GenerationBackend:
     plan = plan_generator_memory_choosing_staging(trainer._unwrapped_model(), setup, free)
     logger.info("Process %d: %s", trainer.accelerator.process_index, plan.describe())
     plan.check(free, available_host_memory() if plan.pinned_host_bytes else None)
+    warning = plan.reserve_warning(free)
+    if warning:
+        logger.warning("Process %d: %s", trainer.accelerator.process_index, warning)
     if trainer._use_vllm_backend:
         backend = _build_vllm_backend(trainer, plan.staging_device)
     else:
-        backend = _build_hf_backend(trainer, setup.dtype)
+        backend = _build_hf_backend(trainer, setup.dtype, plan.staging_device)
     backend.memory_plan = plan
     logger.info("Process %d: generation engine: %s", trainer.accelerator.process_index, generation_engine(trainer))
     return backend
@@ -149,6 +153,19 @@ def generator_setup(trainer) -> GeneratorSetup:
         kind, dtype = "vllm-server", engine_dtype(module, generation_device, mixed_precision)
     lora = active_lora(module)
     processes = accelerator.num_processes
+    generation = {}
+    if kind == "generate":  # what generate's own pool holds at a decode step
+        config = peft_base_model(module).config
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        held = dtype or next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+        generation = dict(
+            generation_rows=args.generation_batch_chunk_size or max(args.generation_batch_size // processes, 1),
+            completion_tokens=args.max_completion_length or 0,
+            kv_bytes_per_token=kv_bytes_per_token(config, held),
+            vocab_size=getattr(text, "vocab_size", 0) or 0,
+        )
+    half = mixed_precision_dtype(mixed_precision)
+    casts_weights = half is not None and not (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled)
     zero_stage = accelerator.state.deepspeed_plugin.zero_stage if trainer.is_deepspeed_enabled else 0
     optim = str(getattr(args.optim, "value", args.optim)).lower()
     return GeneratorSetup(
@@ -171,12 +188,15 @@ def generator_setup(trainer) -> GeneratorSetup:
         # DeepSpeed allocates its partitioned states when it wraps the model; a later train() has them already
         training_state_allocated=bool(trainer.is_deepspeed_enabled or getattr(trainer.optimizer, "state", None)),
         processes_on_node=processes_on_node(),
+        autocast_copy_dtype=half if casts_weights else None,  # DeepSpeed holds half weights; FSDP casts per layer
+        **generation,
     )
 
 
-def _build_hf_backend(trainer, dtype: torch.dtype | None) -> HFGenerateBackend:
+def _build_hf_backend(trainer, dtype: torch.dtype | None, staging_device=None) -> HFGenerateBackend:
     """The ``generate`` backend on the generator's own copy; with ``use_transformers_continuous_batching``, the same
-    copy generating with transformers' continuous batching (:class:`ContinuousBatchingBackend`)."""
+    copy generating with transformers' continuous batching (:class:`ContinuousBatchingBackend`). Its versions are
+    staged on ``staging_device`` (the memory plan's choice; None: the generation device)."""
     temperature = trainer.temperature
     cast_fp32 = trainer.args.cast_lm_head_to_fp32
 
@@ -190,7 +210,9 @@ def _build_hf_backend(trainer, dtype: torch.dtype | None) -> HFGenerateBackend:
         align_position_ids_with_generation(module)
 
     device = trainer.args.generation_device or trainer.accelerator.device
-    common = dict(device=device, patch_fn=patch, gather=weight_gather(trainer), dtype=dtype)
+    common = dict(
+        device=device, patch_fn=patch, gather=weight_gather(trainer), dtype=dtype, staging_device=staging_device
+    )
     if trainer.args.use_transformers_continuous_batching:
         check_continuous_batching_sampling(trainer._generation_config_checked)  # before the settings' own checks
     settings = hf_generation_settings(trainer)

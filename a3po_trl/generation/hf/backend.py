@@ -105,6 +105,7 @@ class HFGenerateBackend(GenerationBackend):
         patch_fn=None,
         gather=None,
         dtype: torch.dtype | None = None,
+        staging_device: torch.device | str | None = None,
     ):
         if settings.behavior_logps_source not in BEHAVIOR_LOGPS_SOURCES:
             raise ValueError(
@@ -138,10 +139,12 @@ class HFGenerateBackend(GenerationBackend):
         own = {without_checkpoint_wrapper(name): p for name, p in self.module.named_parameters()}
         trainable_names = [name for name, p in module.named_parameters() if p.requires_grad]
         self._own = {name: own[without_checkpoint_wrapper(name)] for name in trainable_names}
+        staging = torch.device(staging_device) if staging_device is not None else device
         layout = StagingLayout(
             shapes={name: p.shape for name, p in self._own.items()},
             dtypes={name: p.dtype for name, p in self._own.items()},
-            device=device,
+            device=staging,
+            pin_memory=staging.type == "cpu" and device.type == "cuda",  # the memory plan's choice on a full GPU
         )
         super().__init__(VersionedWeights(layout, gather), device)
         own_ids = {id(p) for p in self._own.values()}

@@ -13,8 +13,17 @@ and, in a run, before the generator's copy, staging buffers or engine exist. It 
   the copy fits beside the engine and training's state with :data:`DEVICE_STAGING_RESERVE` of the GPU left for
   activations, else in pinned host memory (:func:`plan_generator_memory_choosing_staging`: the choice is logged and
   kept as :attr:`GeneratorMemoryPlan.staging_device`);
+- ``generate`` (in the pool of the generation thread's stream: torch's caching allocator reuses a block only on the
+  stream that freed it, so what generation frees never serves training's activations, nor the reverse): the KV cache
+  of a generation batch's completion tokens (prompts add theirs: TRL sets no prompt length) and its sampling logits;
 - what training has not allocated yet when the generator is built (at the first step): gradients and the optimizer's
-  states, sharded as the run shards them. Activations are not counted.
+  states, sharded as the run shards them; under half-precision autocast with float32 weights (unsharded), the
+  half-precision copies autocast keeps of them through each forward and backward. Activations are not counted.
+
+``generate`` and colocated vLLM on a GPU stage on the GPU only when that leaves :data:`DEVICE_STAGING_RESERVE` of it
+free for what the plan does not count, otherwise in pinned host memory (for full fine-tuning at 7B in bf16, 14.2 GiB
+less on the GPU; the version then crosses PCIe twice, see docs/GPU.md); a plan left under that reserve even so is
+logged with a warning and the settings that lower it (:meth:`GeneratorMemoryPlan.reserve_warning`), not refused.
 
 On CUDA the device total is compared with the memory free at that moment, counting what torch's caching allocator
 holds but has not handed out as free (:func:`free_device_memory`); pinned host staging, times the processes on the
@@ -43,8 +52,13 @@ logger = logging.getLogger(__name__)
 GIB = 2**30
 
 DEVICE_STAGING_RESERVE = 0.2
-"""Colocated vLLM stages on the GPU only if, with the staged copy, this share of the GPU's total memory stays free for
-what the plan does not count (activations, the allocator's fragmentation); otherwise in pinned host memory."""
+"""``generate`` and colocated vLLM stage on the GPU only if, with the staged copy, this share of the GPU's total memory
+stays free for what the plan does not count (activations, prompts' KV cache, the allocator's fragmentation);
+otherwise in pinned host memory."""
+
+LOGITS_COPIES = 2
+"""Vocabulary-wide float32 tensors per row ``generate`` holds at a decode step (the next token's logits, and the
+probabilities it samples from)."""
 
 
 class GeneratorMemoryError(RuntimeError):
@@ -85,6 +99,17 @@ class GeneratorSetup:
     memory, pinned when the generation device is a GPU)."""
     processes_on_node: int = 1
     """Training processes on this machine (``LOCAL_WORLD_SIZE``), each staging its own copy in host memory."""
+    generation_rows: int = 0
+    """Completions one ``generate`` call decodes together on this process (0: generation's own pool not planned)."""
+    completion_tokens: int = 0
+    """Tokens of a completion at most (``max_completion_length``)."""
+    kv_bytes_per_token: int = 0
+    """KV-cache bytes per row and token in the generator's dtype: 2 x layers x key-value heads x head size x bytes."""
+    vocab_size: int = 0
+    autocast_copy_dtype: torch.dtype | None = None
+    """Training runs under this half-precision autocast with float32 weights held whole on the training device:
+    autocast keeps a copy of each float32 weight in it through the forward and the backward. None: no such copies
+    (full precision, half-precision weights, or sharded weights cast layer by layer)."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +157,26 @@ class GeneratorMemoryPlan:
     def pinned_host_bytes_on_node(self) -> int:
         """:attr:`pinned_host_bytes` of every process on this machine (``LOCAL_WORLD_SIZE``)."""
         return self.pinned_host_bytes * max(self.setup.processes_on_node, 1)
+
+    def reserve_warning(self, free_bytes: dict[str, int]) -> str | None:
+        """A warning when this plan leaves less than :data:`DEVICE_STAGING_RESERVE` of a GPU free for what it does
+        not count (``free_bytes`` as :meth:`check` takes them); None when it does, or nothing is known."""
+        total = self.setup.device_total_bytes
+        for device in self.devices:
+            free = free_bytes.get(str(device))
+            if device.type != "cuda" or free is None or not total or not _same(device, self.setup.generation_device):
+                continue
+            left = free - self.bytes_on(device)
+            if left < DEVICE_STAGING_RESERVE * total:
+                return (
+                    f"The generator and training's pending state leave {left / GIB:.1f} GiB of {device} free, under "
+                    f"the {DEVICE_STAGING_RESERVE:.0%} ({DEVICE_STAGING_RESERVE * total / GIB:.1f} GiB) kept for "
+                    "activations, prompts' KV cache and fragmentation: the first steps may run out of memory. With "
+                    "two threads allocating on two streams, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set "
+                    "before the process starts) keeps their pools from fragmenting the GPU. To lower the plan: "
+                    f"{'; '.join(self._remedies())}."
+                )
+        return None
 
     @property
     def device_bytes(self) -> int:
@@ -282,8 +327,20 @@ def plan_generator_memory(module: nn.Module, setup: GeneratorSetup) -> Generator
         copied = params if whole else trainable
         what = "generator copy (whole model)" if whole else "generator copy (trainable weights; frozen ones shared)"
         plan.items.append(MemoryItem(what, size(copied), generation))
+        if setup.generation_rows and setup.completion_tokens:
+            rows, tokens = setup.generation_rows, setup.completion_tokens
+            kv = rows * tokens * setup.kv_bytes_per_token
+            what = f"generate: KV cache, {rows} rows x {tokens} completion tokens (prompts add theirs)"
+            plan.items.append(MemoryItem(what, kv, generation))
+            logits = rows * setup.vocab_size * 4 * LOGITS_COPIES
+            what = f"generate: sampling logits, {rows} rows x {setup.vocab_size} (float32, x2)"
+            plan.items.append(MemoryItem(what, logits, generation))
         staging_device = setup.staging_device or generation
-        plan.staging_reason = "the generate backend copies each version into its own module there"
+        if staging_device.type != "cpu" or generation.type != "cuda":
+            plan.staging_reason = "the generate backend copies each version into its own module there"
+        else:
+            plan.staging_pinned = True
+            plan.staging_reason = "no room on the GPU beside the generator and training's state"
     else:
         if setup.backend == "vllm-colocate":
             engine_weights = size(params)
@@ -318,6 +375,10 @@ def plan_generator_memory(module: nn.Module, setup: GeneratorSetup) -> Generator
         states = setup.optimizer_states_per_parameter * size(trainable, None) // max(setup.optimizer_shards, 1)
         plan.items.append(MemoryItem("training, not allocated yet: gradients", gradients, training))
         plan.items.append(MemoryItem("training, not allocated yet: optimizer states", states, training))
+    if setup.autocast_copy_dtype is not None:
+        full_precision = [p for p in params if p.dtype == torch.float32]
+        what = f"training under {_dtype_name(setup.autocast_copy_dtype)} autocast: copies of its float32 weights"
+        plan.items.append(MemoryItem(what, size(full_precision, setup.autocast_copy_dtype), training))
     return plan
 
 
@@ -325,13 +386,15 @@ def plan_generator_memory_choosing_staging(
     module: nn.Module, setup: GeneratorSetup, free_bytes: dict[str, int]
 ) -> GeneratorMemoryPlan:
     """:func:`plan_generator_memory`, where the staging's place is chosen here when ``setup`` leaves it open
-    (``staging_device=None``) for colocated vLLM on a GPU: on the GPU when the plan with the staged copies there
+    (``staging_device=None``) for ``generate`` or colocated vLLM on a GPU: on the GPU when the plan with the staged
+    copies there
     leaves :data:`DEVICE_STAGING_RESERVE` of the GPU free (``free_bytes``, as :meth:`GeneratorMemoryPlan.check`
     takes them) and the engine's weights fit its reservation; in pinned host memory otherwise. On the GPU a version
     moves from the gather to the staging buffer to the engine within the GPU's memory; from pinned host memory it
     crosses PCIe twice (see docs/GPU.md)."""
     generation = setup.generation_device
-    if setup.backend != "vllm-colocate" or generation.type != "cuda" or setup.staging_device is not None:
+    chooses = setup.backend in ("generate", "vllm-colocate")
+    if not chooses or generation.type != "cuda" or setup.staging_device is not None:
         return plan_generator_memory(module, setup)
     on_device = plan_generator_memory(module, _replace(setup, staging_device=generation))
     free, total = free_bytes.get(str(generation)), setup.device_total_bytes
@@ -340,8 +403,9 @@ def plan_generator_memory_choosing_staging(
         left = free - on_device.bytes_on(generation)
         reservation = _item_bytes(on_device, "vLLM engine")
         if left >= reserve and on_device.engine_weights_bytes <= reservation:
+            beside = "the engine" if setup.backend == "vllm-colocate" else "the generator"
             on_device.staging_reason = (
-                f"fits beside the engine and training's state, {left / GIB:.1f} GiB of the GPU left free "
+                f"fits beside {beside} and training's state, {left / GIB:.1f} GiB of the GPU left free "
                 f"(at least {DEVICE_STAGING_RESERVE:.0%} of it is kept for activations)"
             )
             return on_device
@@ -354,6 +418,16 @@ def plan_generator_memory_choosing_staging(
     on_host = plan_generator_memory(module, _replace(setup, staging_device=torch.device("cpu")))
     on_host.staging_reason = f"not on the GPU: {why}"
     return on_host
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """KV-cache bytes per sequence and token of a decoder with ``config`` (its text config for a multimodal one) in
+    ``dtype``: keys and values of every layer, ``num_key_value_heads`` heads of ``head_dim`` each."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", 0) or 0
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else 0)
+    return 2 * text.num_hidden_layers * kv_heads * head_dim * _element_size(dtype)
 
 
 def free_device_memory(devices) -> dict[str, int]:
