@@ -55,6 +55,7 @@ from .patches import align_position_ids_with_generation
 from .proximal_guard import ProximalGuard
 from .rollout.rollout_func import generate_completions
 from .timeline import TRAINING_LANE, TimelineRecorder, TraceWriter, TrainingStepTimeline
+from .timeline.overlap import OverlapMonitor
 from .training_batch import make_training_batch
 from .validation import check_supported, check_train_dataset, check_trainer, effective_generation_config
 
@@ -163,6 +164,9 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         self._step_timeline = TrainingStepTimeline(self.timeline)
         self.add_callback(self._step_timeline)  # before the publication callback: a step's span ends before it
         self.add_callback(_PublishWeightsCallback(self))
+        self.overlap_monitor = OverlapMonitor(lambda: self._producer, lambda: self.accelerator.is_main_process)
+        """Says once per ``train()`` call when the generation thread's overlap costs more than it hides."""
+        self.add_callback(self.overlap_monitor)
         self.proximal_guard: ProximalGuard | None = None
         """The interpolation's checks and the anchor they chose, with ``prox_logp_method="guarded"``."""
         if args.prox_logp_method == "guarded":
