@@ -7,8 +7,9 @@ What is regenerated, and from what:
 
 - the studies with per-run records (``<study>/runs/<config>@<seed>.json``): the staleness study, its pre-registered
   confirmation, time to accuracy, dynamic sampling, in-flight updates, the proximal map, the approximation study,
-  the oracle study and the guard's map cells once their runs are committed; each study's own ``--summary-only``
-  (``summary.md``, ``summary.json``, its plot);
+  the oracle study, the guard's map cells and its SmolLM2 evaluation once their runs are committed (the last from
+  its seeds so far: its summary says what is missing and decides nothing until they are in); each study's own
+  ``--summary-only`` (``summary.md``, ``summary.json``, its plot);
 - the proximal map while its runs are not committed: ``families.{md,json}`` (Holm within each family, equivalence
   against the margin), read back from the committed ``summary.json``'s means and intervals;
 - ``compare-*.md`` and ``profile-*.md`` from their JSON reports (``benchmarks/compare``), ``backends-*.md`` from theirs
@@ -90,6 +91,10 @@ def regenerate(results: Path = RESULTS, documents: Sequence[Path] = DOCUMENTS) -
         from benchmarks import guard_map
 
         studies.append(("guard/map", guard_map.main, []))
+    if _has_runs(results / "guard" / "smollm2"):
+        from benchmarks import guard_smollm2
+
+        studies.append(("guard/smollm2", guard_smollm2.main, []))
     for folder, main, extra in studies:
         if _has_runs(results / folder):
             with contextlib.redirect_stdout(io.StringIO()):  # each study prints its summary

@@ -302,8 +302,22 @@ def guard_map_tables(s: Summaries) -> str:
     return "\n\n".join(s.table("guard/map/summary.md", index) for index in (0, 1, 2))
 
 
+def guard_smollm2_tables(s: Summaries) -> str:
+    """The guard's SmolLM2 evaluation: its tables and its decision (or why it decides nothing yet), as the summary
+    writes them."""
+    text = s.text("guard/smollm2/summary.md")
+    tables = sum(1 for block in text.split("\n\n") if block.startswith("|"))
+    closing = [
+        line
+        for line in text.splitlines()
+        if line.startswith(("**The default", "The default is not decided", "Seconds per step, guarded", "Missing"))
+    ]
+    return "\n\n".join([*(s.table("guard/smollm2/summary.md", index) for index in range(tables)), *closing])
+
+
 BLOCKS = {
     "guard-map": guard_map_tables,
+    "guard-smollm2": guard_smollm2_tables,
     "oracle": oracle_tables,
     "oracle-decision": oracle_decision,
     "step-time": step_time_table,

@@ -110,7 +110,25 @@ def guard_map_sentence(s: Summaries) -> str:
     cells = len(families["guarded - loglinear"])
     return (
         f"on {cells} proximal-map cells (16 seeds, Holm), against `loglinear` {counts['guarded - loglinear']}, "
-        f"against `recompute` {counts['guarded - recompute']}; the SmolLM2 part of its evaluation is not yet run"
+        f"against `recompute` {counts['guarded - recompute']}; {guard_smollm2_clause(s)}"
+    )
+
+
+def guard_smollm2_clause(s: Summaries) -> str:
+    """The guard's SmolLM2 evaluation, in one clause: its verdicts and the default once all seeds are in, else how
+    far it has got."""
+    if not (s.results / "guard" / "smollm2" / "summary.json").exists():
+        return "the SmolLM2 part of its evaluation is not yet run"
+    summary = s.json("guard/smollm2/summary.json")
+    decision = summary["decision"]
+    if decision is None:
+        return f"its SmolLM2 part has {len(summary['paired_seeds'])} of 5 seeds so far, deciding nothing yet"
+    verdicts = ", ".join(f"against `{name.split(' - ')[1]}` {row['verdict']} ({row['mean']:+.3f})"
+                         for name, row in summary["families"].items())  # fmt: skip
+    default = "`guarded` becomes the default" if decision["guarded_becomes_default"] else "`loglinear` stays default"
+    return (
+        f"on SmolLM2 (4 optimizer steps per batch, 5 seeds) {verdicts}, at {decision['speed_ratio']:.2f}x "
+        f"`loglinear`'s seconds per step: {default}"
     )
 
 
