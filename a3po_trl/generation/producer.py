@@ -119,6 +119,8 @@ class BatchProducer:
         """Prompt batches drawn in this run so far (one per batch, more with ``refill``)."""
         self._draw_starts: dict[int, int] = {}
         self._draw_lock = threading.Lock()
+        self.thread_cpu_at_exit: float | None = None
+        """The generation thread's CPU seconds when it ended (its clock cannot be read after), None before."""
 
     # ---- main thread -------------------------------------------------------------------------------------------
     def start(self, module: torch.nn.Module, version: int, trainer_state: Any = None, earlier_versions=None) -> None:
@@ -362,6 +364,8 @@ class BatchProducer:
                 error.add_note("(raised in the a3po-trl generation thread)")
             self._error_after_stop = self.stop_event.is_set()
             self._error = error
+        finally:
+            self.thread_cpu_at_exit = time.thread_time()
 
 
 def refuse_a_second_generation_thread(alive_somewhere: bool, stop_timeout: float) -> None:

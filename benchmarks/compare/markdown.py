@@ -109,6 +109,7 @@ def write_markdown(report, path: str) -> None:
             "training = step time minus that. s0 is synchronous by construction (not a pipelining target).",
             "",
         ]
+    lines += _thread_cpu_lines(report)
     micro = report.get("microbench")
     if micro:
         lines += [
@@ -151,3 +152,42 @@ def write_markdown(report, path: str) -> None:
                 lines.append(f"- {run['run_id']} — {thread} ({entry['seconds_at_20hz']:.0f} s busy): {top}")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def _thread_cpu_lines(report) -> list[str]:
+    """Each configuration's threads' CPU seconds per step against its step, the overlap rule of
+    ``a3po_trl.timeline.overlap`` on the means, and the seeds whose run logged the overlap warning."""
+    from a3po_trl.timeline.overlap import overlap_costs
+
+    configs = [c for c in report["configs"].values() if c.get("trainer_cpu") is not None]
+    if not configs:
+        return []
+    lines = [
+        "## Each thread's CPU time per step",
+        "",
+        "| config | s/step mean | training thread CPU | generation thread CPU | together / step | overlap costs "
+        "more than it hides | runs that logged the warning |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    by_name: dict[str, list] = {}
+    for run in report.get("runs", []):
+        by_name.setdefault(run["name"], []).append(run.get("overlap_warning"))
+    for c in configs:
+        step, trainer, generator = c["step_time_mean"], c["trainer_cpu"], c.get("generator_cpu")
+        together = (trainer + (generator or 0.0)) / step if step else None
+        costs = "-" if generator is None else ("yes" if overlap_costs(step, trainer, generator) else "no")
+        warnings = [w for w in by_name.get(c["name"], []) if w is not None]
+        warned = f"{sum(1 for w in warnings if w)} of {len(warnings)}" if warnings else "-"
+        lines.append(
+            f"| {c['name']} | {_fmt(step)} | {_fmt(trainer)} | {_fmt(generator)} | {_fmt(together)} | {costs} | "
+            f"{warned} |"
+        )
+    lines += [
+        "",
+        "CPU seconds per step after warm-up, mean over seeds (`time.thread_time()` of the training thread, the "
+        "generation thread's CPU clock). The rule (docs/GPU.md, 'Which generation path on a GPU'): the overlap costs "
+        "more than it hides when the step is at least 1.05 x the two threads' CPU time together while that fills at "
+        "least half of the step. GRPOTrainer has one thread.",
+        "",
+    ]
+    return lines

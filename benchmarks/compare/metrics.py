@@ -124,6 +124,8 @@ def summarize_run(record, common, final_window: int) -> dict:
     for key in ("quiet_wait_seconds", "foreign_cpu_frac_before"):  # the runner's; reports of 2026 have them in result
         summary[key] = record[key] if key in record else result.get(key)
     summary["engine"] = result.get("engine")
+    summary.update(thread_cpu_per_step(result, post))
+    summary["overlap_warning"] = result.get("overlap_warning")
     if config["kind"] == "pieces":
         waits = [series["trainer_wait_time"][i] for i in post]
         summary["generation_piece"] = _median(waits)
@@ -131,6 +133,22 @@ def summarize_run(record, common, final_window: int) -> dict:
             [durations[i] - w for i, w in zip(post, waits) if w is not None and i < len(durations)]
         )
     return summary
+
+
+def thread_cpu_per_step(result: dict, post: list[int]) -> dict:
+    """Each thread's CPU seconds per step over the steps ``post`` (consecutive indices, after warm-up), from the
+    cumulative readings at each step end (train begin reads 0 for the training thread): ``trainer_cpu`` (the
+    training thread: GRPOTrainer's only one) and ``generator_cpu`` (None without a generation thread, or where a
+    reading is missing)."""
+    out = {"trainer_cpu": None, "generator_cpu": None}
+    for key, name in (("step_end_trainer_cpu", "trainer_cpu"), ("step_end_generator_cpu", "generator_cpu")):
+        readings = result.get(key) or []
+        if not post or post[-1] >= len(readings):
+            continue
+        before = readings[post[0] - 1] if post[0] > 0 else (0.0 if name == "trainer_cpu" else None)
+        if before is not None and readings[post[-1]] is not None:
+            out[name] = (readings[post[-1]] - before) / len(post)
+    return out
 
 
 AGGREGATED = (
@@ -160,6 +178,8 @@ AGGREGATED = (
     "foreign_cpu_frac",
     "generation_piece",
     "training_piece",
+    "trainer_cpu",
+    "generator_cpu",
 )
 
 

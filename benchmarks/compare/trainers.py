@@ -149,19 +149,43 @@ def make_trainer(config, common, output_dir, callbacks=()):
 def step_timer_callback():
     from transformers import TrainerCallback
 
+    from a3po_trl.timeline.overlap import thread_cpu_clock
+
     class StepTimer(TrainerCallback):
-        """perf_counter at train begin and at the end of every optimizer step."""
+        """perf_counter at train begin and at the end of every optimizer step, with each thread's CPU seconds since
+        train begin at each step end: the training (main) thread's, and the generation thread's where there is one
+        (read through its CPU clock; None before it starts and where there is no per-thread clock). ``trainer`` is
+        set once the trainer exists."""
 
         def __init__(self):
             self.begin = None
+            self.cpu_begin = None
             self.step_ends = []
+            self.trainer_cpu = []
+            self.generator_cpu = []
+            self.trainer = None
+            self._clock = (None, None)  # (the generation thread, its clock)
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self.begin = time.perf_counter()
+            self.begin, self.cpu_begin = time.perf_counter(), time.thread_time()
 
         def on_step_end(self, args, state, control, **kwargs):
             self._sync()
             self.step_ends.append(time.perf_counter())
+            self.trainer_cpu.append(time.thread_time() - self.cpu_begin)
+            self.generator_cpu.append(self._generator_cpu())
+
+        def _generator_cpu(self):
+            producer = getattr(self.trainer, "_producer", None)
+            thread = getattr(producer, "thread", None)
+            if thread is None:
+                return None
+            if self._clock[0] is not thread:
+                self._clock = (thread, thread_cpu_clock(thread))
+            try:
+                return self._clock[1]() if self._clock[1] is not None else None
+            except OSError:  # the thread ended: its total, kept as it ended
+                return producer.thread_cpu_at_exit
 
         @staticmethod
         def _sync():

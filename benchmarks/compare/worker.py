@@ -76,6 +76,7 @@ def run_training_config(config, common) -> dict:
     with tempfile.TemporaryDirectory(prefix="a3po-compare-") as output_dir:
         timer = step_timer_callback()
         trainer, model_name = make_trainer(config, common, output_dir, callbacks=[timer])
+        timer.trainer = trainer
         if cuda:
             for index in range(torch.cuda.device_count()):
                 torch.cuda.reset_peak_memory_stats(index)
@@ -90,6 +91,9 @@ def run_training_config(config, common) -> dict:
             "model_name": model_name,
             "train_seconds": wall,
             "step_end_seconds": [t - timer.begin for t in timer.step_ends],
+            "step_end_trainer_cpu": timer.trainer_cpu,  # the training thread's CPU seconds since train begin
+            "step_end_generator_cpu": timer.generator_cpu,  # the generation thread's since it started (or None)
+            "overlap_warning": _overlap_warning(trainer),
             "series": series,
             "global_step": trainer.state.global_step,
             "torch_threads_after": torch.get_num_threads(),
@@ -105,6 +109,19 @@ def run_training_config(config, common) -> dict:
         del trainer, producer
         gc.collect()
     return result
+
+
+def _overlap_warning(trainer):
+    """The window the trainer's overlap monitor reported (``{"steps", "step_seconds", "trainer_cpu",
+    "generator_cpu"}``), ``False`` when it reported none, None for a trainer without one (GRPOTrainer)."""
+    monitor = getattr(trainer, "overlap_monitor", None)
+    if monitor is None:
+        return None
+    if not monitor.warned:
+        return False
+    steps, step_seconds, trainer_cpu, generator_cpu = monitor.warned
+    figures = {"step_seconds": step_seconds, "trainer_cpu": trainer_cpu, "generator_cpu": generator_cpu}
+    return {"steps": list(steps), **figures}
 
 
 def run_cell(config, common) -> dict:

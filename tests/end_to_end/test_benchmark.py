@@ -69,7 +69,7 @@ def check_files(out):
     with open(out / "bench.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     markdown = (out / "bench.md").read_text()
-    assert "| config |" in markdown and "## Targets" in markdown
+    assert "| config |" in markdown and "## Targets" in markdown and "## Each thread's CPU time per step" in markdown
     return markdown
 
 
@@ -85,9 +85,13 @@ def check_training_config(name, config, report):
     assert 0 <= config["clip_ratio_low"] <= 1 and 0 <= config["clip_ratio_high"] <= 1, name
     if staleness == 0:
         assert config["staleness_mean"] == 0 and config["staleness_max"] == 0, name
+    assert positive(config["trainer_cpu"]), name  # the training thread's CPU seconds per step
     if kind == "trl":
         assert config["threads"]["process"] >= 1
+        assert config["generator_cpu"] is None  # one thread
         return
+    if kind != "pieces":  # the generation thread's, read through its CPU clock
+        assert positive(config["generator_cpu"]), name
     assert staleness is not None and 0 <= config["staleness_mean"] <= config["staleness_max"] <= staleness, name
     for key in ("prox_time", "trainer_wait_time", "generator_wait_time", "weight_sync_time", "behavior_logps_time"):
         assert non_negative(config[key]), (name, key, config[key])
@@ -108,6 +112,7 @@ def check_training_config(name, config, report):
 
 def check_runs(report):
     for run in report["runs"]:
+        assert run["overlap_warning"] in (None, False) or run["overlap_warning"]["steps"], run["run_id"]
         assert len(run["step_times"]) == run["steps_done"] == report["meta"]["steps"], run["run_id"]
         assert all(positive(t) for t in run["step_times"]), run["run_id"]
         if run["engine"] is not None:  # nothing generated was dropped, the queue stayed within its bound
