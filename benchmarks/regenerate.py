@@ -13,7 +13,7 @@ What is regenerated, and from what:
 - the proximal map while its runs are not committed: ``families.{md,json}`` (Holm within each family, equivalence
   against the margin), read back from the committed ``summary.json``'s means and intervals;
 - ``compare-*.md`` and ``profile-*.md`` from their JSON reports (``benchmarks/compare``), ``backends-*.md`` from theirs
-  (``benchmarks/backends.py``);
+  (``benchmarks/backends.py``), ``compiled-decode.md`` from its (``benchmarks/compiled_decode.py``, its decision too);
 - then the marked blocks of ``README.md``, ``docs/BENCHMARKS.md`` and ``docs/USAGE.md`` (``<!-- regenerate:NAME -->``
   ... ``<!-- /regenerate:NAME -->``), from those summaries, by :mod:`benchmarks.doc_blocks`: the numbers the README's
   table and BENCHMARKS' headline tables quote are never copied by hand.
@@ -140,6 +140,14 @@ def _tables(results: Path) -> list[str]:
         report = json.loads(path.read_text())
         path.with_suffix(".md").write_text(_table(report["results"], report["meta"]))
         done.append(path.with_suffix(".md").name)
+    decode = results / "compiled-decode.json"
+    if decode.exists():
+        from benchmarks.compiled_decode import decide, markdown
+
+        report = json.loads(decode.read_text())
+        report["decision"] = decide(report["results"])  # the rule, applied again to the measurements
+        decode.with_suffix(".md").write_text(markdown(report))
+        done.append(decode.with_suffix(".md").name)
     return done
 
 

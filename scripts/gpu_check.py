@@ -30,6 +30,8 @@ The checks (``gpu_checks/checks.py``), in order:
     reproducible-resume  reproducible_generation at staleness 2, a checkpoint at step 2, a resume from it to step 4,
                          compared with the uninterrupted run (bit for bit on CPU)
     recompute            prox_logp_method="recompute" with batches spanning two optimizer steps
+    compiled-decode      generate's eager decoding against a static cache with a compiled step (CUDA graphs on a
+                         GPU), on the plan's model: CPU and wall time per token, agreement (reported, not judged)
     vllm-colocate        a colocated vLLM engine at staleness 0 and 1; skipped, with a message, without vLLM
 
 Each check runs in a subprocess with its own timeout (a hang costs that check, not the run); its output is printed as
@@ -102,6 +104,7 @@ TIMEOUTS = {
     "peaked": 100,
     "reproducible-resume": 120,
     "recompute": 80,
+    "compiled-decode": 150,
     "vllm-colocate": 300,
 }
 #: Seconds each check may take on CPU: generous, since CI machines are shared (a check takes 10-40 s on 2 idle

@@ -315,7 +315,15 @@ def guard_smollm2_tables(s: Summaries) -> str:
     return "\n\n".join([*(s.table("guard/smollm2/summary.md", index) for index in range(tables)), *closing])
 
 
+def compiled_decode_tables(s: Summaries) -> str:
+    """Eager against compiled decoding: the per-path table, the ratios and the decision, as the report writes them."""
+    text = s.text("compiled-decode.md")
+    decision = next(line for line in text.splitlines() if line.startswith("**Decision**"))
+    return "\n\n".join([s.table("compiled-decode.md", 0), s.table("compiled-decode.md", 1), decision])
+
+
 BLOCKS = {
+    "compiled-decode": compiled_decode_tables,
     "guard-map": guard_map_tables,
     "guard-smollm2": guard_smollm2_tables,
     "oracle": oracle_tables,

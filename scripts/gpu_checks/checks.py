@@ -260,6 +260,35 @@ def vllm_colocate(cpu: bool, steps: int) -> dict:
     return {"runs": runs, **compare(runs)}
 
 
+def compiled_decode(cpu: bool, steps: int) -> dict:
+    """``generate``'s eager decoding against a static cache with a compiled step (CUDA graphs on a GPU, inductor on
+    CPU) on this plan's model, in its dtype: per token the calling thread's CPU time and the wall time, and whether
+    the greedy tokens and log-probs agree (``benchmarks/compiled_decode.py``, whose CPU measurement dropped that path
+    from the generator). Reported, not judged."""
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks/ is not installed
+    from benchmarks.compiled_decode import measure_model
+
+    setup = make_setup(cpu, steps)
+    dtype = torch.float32 if cpu else torch.bfloat16
+    threads = torch.get_num_threads()
+    if cpu:
+        torch.set_num_threads(1)  # the ops on the calling thread: its CPU time is theirs
+    try:
+        with tempfile.TemporaryDirectory(prefix="compiled-decode-") as directory:
+            build_model(setup.config, dtype, "cpu").save_pretrained(directory)
+            setup.tokenizer.save_pretrained(directory)
+            options = SimpleNamespace(device="cpu" if cpu else "cuda", rows=16, new_tokens=16, reps=3, dtype=dtype)
+            result = measure_model(directory, options)
+    finally:
+        torch.set_num_threads(threads)
+    result["model"] = "this plan's model (random weights)"
+    return {"compiled_decode": result, "requirements": []}
+
+
 def fmt(value) -> str:
     return "-" if value is None else f"{value:.3g}"
 
@@ -273,5 +302,6 @@ CHECKS = {
     "peaked": (peaked, False),
     "reproducible-resume": (reproducible_resume, False),
     "recompute": (recompute, False),
+    "compiled-decode": (compiled_decode, False),
     "vllm-colocate": (vllm_colocate, True),
 }

@@ -36,6 +36,7 @@ CHECKS = [
     "peaked",
     "reproducible-resume",
     "recompute",
+    "compiled-decode",
     "vllm-colocate",
 ]
 PAIRS = ["lora-bf16", "full-bf16", "full-fp32", "lora-fp32"]
@@ -253,6 +254,15 @@ def test_each_check_reports_its_own_figures(cpu_run):
     assert [s["step"] for s in resume["runs"][1]["steps"]] == [3, 4]
     assert resume["runs"][0]["settings"]["reproducible_generation"] is True
     assert entries["recompute"]["recompute_forward_seconds_per_step"] > 0
+    decode = entries["compiled-decode"]["compiled_decode"]  # reported, not judged
+    assert set(decode["paths"]) == {"eager", "static", "compiled"}
+    for path, figures in decode["paths"].items():
+        assert 0 < figures["cpu_per_token"]["median"] and 0 < figures["wall_per_token"]["median"], path
+    assert (
+        decode["paths"]["compiled"]["first_call"]["wall_seconds"]
+        > decode["paths"]["eager"]["first_call"]["wall_seconds"]
+    )  # the first compiled call compiles
+    assert 0 <= decode["token_agreement"] <= 1 and math.isfinite(decode["max_logp_difference"])
 
 
 @pytest.mark.vllm
