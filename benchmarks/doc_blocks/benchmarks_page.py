@@ -322,7 +322,45 @@ def compiled_decode_tables(s: Summaries) -> str:
     return "\n\n".join([s.table("compiled-decode.md", 0), s.table("compiled-decode.md", 1), decision])
 
 
+def launch_bound_tables(s: Summaries) -> str:
+    """The launch-bound proxy: per configuration the step and each thread's CPU time, and the asynchronous step
+    against the synchronous ones paired by seed (one family of two differences, Holm)."""
+    from benchmarks.common.intervals import holm, p_value, paired_difference, paired_values
+
+    report = s.json("launch-bound/launch-bound.json")
+    steps = {}
+    for run in report["runs"]:
+        steps.setdefault(run["name"], {})[run["seed"]] = run["step_time_mean"]
+    rows = []
+    for baseline in ("trl-t1", "pieces-loglinear"):
+        a, b = steps["loglinear-s1"], steps[baseline]
+        interval = paired_difference(a, b)
+        seeds = sorted(a.keys() & b.keys())
+        test = {"seeds": seeds, "mean": interval.mean, "low": interval.low, "high": interval.high}
+        test["p"] = p_value(paired_values(a, b))
+        ratios = [a[seed] / b[seed] for seed in seeds]
+        rows.append((baseline, test, min(ratios), max(ratios)))
+    adjusted = holm([test["p"] for _, test, _, _ in rows])
+    lines = [
+        "| loglinear-s1 against | seeds | step difference, s [95% interval] | Holm p | step ratio, per seed |",
+        "|---|---:|---|---:|---|",
+    ]
+    for (baseline, test, low, high), p in zip(rows, adjusted):
+        lines.append(
+            f"| {baseline} | {len(test['seeds'])} | {test['mean']:+.4f} [{test['low']:+.4f}, {test['high']:+.4f}] | "
+            f"{p:.3f} | {low:.2f}-{high:.2f} |"
+        )
+    pipeline = report["pipeline"]["loglinear"]
+    ideal = (
+        f"Ideal (max of generation and training alone, from `pieces-loglinear`): {pipeline['ideal_pipelined']:.3f} s; "
+        f"`loglinear-s1` took {pipeline['achieved']['1']['step_time_median']:.3f} s, "
+        f"{pipeline['achieved']['1']['ratio_to_ideal']:.2f}x the ideal."
+    )
+    return "\n\n".join([s.table("launch-bound/launch-bound.md", 2), "\n".join(lines), ideal])
+
+
 BLOCKS = {
+    "launch-bound": launch_bound_tables,
     "compiled-decode": compiled_decode_tables,
     "guard-map": guard_map_tables,
     "guard-smollm2": guard_smollm2_tables,
