@@ -12,8 +12,9 @@ What is regenerated, and from what:
   ``--summary-only`` (``summary.md``, ``summary.json``, its plot);
 - the proximal map while its runs are not committed: ``families.{md,json}`` (Holm within each family, equivalence
   against the margin), read back from the committed ``summary.json``'s means and intervals;
-- ``compare-*.md`` and ``profile-*.md`` from their JSON reports (``benchmarks/compare``), ``backends-*.md`` from theirs
-  (``benchmarks/backends.py``), ``compiled-decode.md`` from its (``benchmarks/compiled_decode.py``, its decision too);
+- ``compare-*.md``, ``profile-*.md`` and ``launch-bound/*.md`` from their JSON reports (``benchmarks/compare``),
+  ``backends-*.md`` from theirs (``benchmarks/backends.py``), ``compiled-decode.md`` from its
+  (``benchmarks/compiled_decode.py``, its decision too);
 - then the marked blocks of ``README.md``, ``docs/BENCHMARKS.md`` and ``docs/USAGE.md`` (``<!-- regenerate:NAME -->``
   ... ``<!-- /regenerate:NAME -->``), from those summaries, by :mod:`benchmarks.doc_blocks`: the numbers the README's
   table and BENCHMARKS' headline tables quote are never copied by hand.
@@ -133,7 +134,8 @@ def _tables(results: Path) -> list[str]:
     from benchmarks.compare.markdown import write_markdown
 
     done = []
-    for path in sorted([*results.glob("compare-*.json"), *results.glob("profile-*.json")]):
+    reports = [*results.glob("compare-*.json"), *results.glob("profile-*.json"), *results.glob("launch-bound/*.json")]
+    for path in sorted(reports):
         write_markdown(json.loads(path.read_text()), str(path.with_suffix(".md")))
         done.append(path.with_suffix(".md").name)
     for path in sorted(results.glob("backends-*.json")):
