@@ -137,7 +137,7 @@ def _tables(results: Path) -> list[str]:
     reports = [*results.glob("compare-*.json"), *results.glob("profile-*.json"), *results.glob("launch-bound/*.json")]
     for path in sorted(reports):
         write_markdown(json.loads(path.read_text()), str(path.with_suffix(".md")))
-        done.append(path.with_suffix(".md").name)
+        done.append(str(path.with_suffix(".md").relative_to(results)))
     for path in sorted(results.glob("backends-*.json")):
         report = json.loads(path.read_text())
         path.with_suffix(".md").write_text(_table(report["results"], report["meta"]))

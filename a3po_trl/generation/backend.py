@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from ..devices import explicit_device
-from ..metrics.deferred import DeferredSeconds
 from ..timeline import record_in_batch_span
+from ..timing import DeferredSeconds
 from ..types import GeneratedCompletions
 from .weights import VersionedWeights
 

@@ -41,13 +41,17 @@ WINDOW_STEPS = 8
 
 def thread_cpu_clock(thread: threading.Thread | None) -> Callable[[], float] | None:
     """A reader of ``thread``'s CPU seconds from any thread (Linux and other POSIX systems with per-thread CPU
-    clocks); None where there is none, or the thread is not running."""
-    if thread is None or thread.ident is None or not hasattr(time, "pthread_getcpuclockid"):
+    clocks); None where there is none, or the thread is not running. The clock is taken while the thread runs (for a
+    thread that has ended, ``pthread_getcpuclockid`` may name the calling thread's clock instead): once it ends,
+    reading it raises ``OSError``."""
+    if thread is None or thread.ident is None or not hasattr(time, "pthread_getcpuclockid") or not thread.is_alive():
         return None
     try:
         clock = time.pthread_getcpuclockid(thread.ident)
         time.clock_gettime(clock)
     except (OSError, OverflowError):
+        return None
+    if not thread.is_alive():  # it may have ended while the clock was taken: the clock may not be its own
         return None
     return lambda: time.clock_gettime(clock)
 

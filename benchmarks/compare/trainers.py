@@ -182,10 +182,12 @@ def step_timer_callback():
                 return None
             if self._clock[0] is not thread:
                 self._clock = (thread, thread_cpu_clock(thread))
-            try:
-                return self._clock[1]() if self._clock[1] is not None else None
-            except OSError:  # the thread ended: its total, kept as it ended
-                return producer.thread_cpu_at_exit
+            if self._clock[1] is not None:
+                try:
+                    return self._clock[1]()
+                except OSError:
+                    pass
+            return producer.thread_cpu_at_exit  # it ended (its clock is gone): its total, kept as it ended
 
         @staticmethod
         def _sync():

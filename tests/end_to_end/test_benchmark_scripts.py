@@ -20,12 +20,17 @@ SMOKE_TESTS = {
     ),
     "backends": ("tests/integration/test_vllm.py", "test_backends_benchmark_reports_every_field"),
     "compare": ("tests/end_to_end/test_benchmark.py", "test_quick_benchmark_writes_a_complete_report"),
+    "compiled_decode": ("tests/end_to_end/test_benchmark_scripts.py", "test_compiled_decode_measures_each_path"),
     "dynamic_sampling": (
         "tests/end_to_end/test_arm_studies.py",
         "test_dynamic_sampling_study_records_the_filter_and_pairs_the_arms",
     ),
     "in_flight": ("tests/end_to_end/test_arm_studies.py", "test_in_flight_study_records_the_loads_and_pairs_the_arms"),
     "lora_memory": ("tests/end_to_end/test_benchmark.py", "test_lora_memory_report_on_the_tiny_model"),
+    "guard_smollm2": (
+        "tests/end_to_end/test_oracle_and_guard.py",
+        "test_quick_guard_smollm2_runs_the_three_methods_on_one_seed",
+    ),
     "guard_map": (
         "tests/end_to_end/test_oracle_and_guard.py",
         "test_quick_guard_map_pairs_the_guard_with_both_methods",
@@ -117,3 +122,24 @@ def test_the_timeline_page_quotes_the_committed_timeline_overhead_results():
     ]
     missing = [figure for figure in quoted if figure not in section]
     assert not missing, f"docs/TIMELINE.md's cost paragraph does not quote {missing}"
+
+
+def test_compiled_decode_measures_each_path(tmp_path):
+    """A tiny run: every path timed, the first compiled call compiling, the tokens compared, the rule applied."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "benchmarks.compiled_decode", "--models", "tiny", "--reps", "1", "--rows", "2"]
+    command += ["--new-tokens", "4", "--out", str(tmp_path)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    subprocess.run(command, check=True, timeout=900, env=env, capture_output=True, text=True, cwd=ROOT)
+    report = json.loads((tmp_path / "compiled-decode.json").read_text())
+    tiny = report["results"]["tiny"]
+    assert set(tiny["paths"]) == {"eager", "static", "compiled"}
+    assert all(p["cpu_per_token"]["median"] > 0 for p in tiny["paths"].values())
+    assert (
+        tiny["paths"]["compiled"]["first_call"]["wall_seconds"] > tiny["paths"]["eager"]["first_call"]["wall_seconds"]
+    )
+    assert tiny["token_agreement"] == 1.0 and tiny["max_logp_difference"] < 1e-4  # fp32: the same greedy tokens
+    assert report["decision"]["keep"] is (tiny["cpu_ratio"] >= 2.0)
+    assert "**Decision**" in (tmp_path / "compiled-decode.md").read_text()

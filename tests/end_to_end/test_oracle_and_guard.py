@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+from tiny import make_model
 
 from benchmarks.common.anchor_estimators import TOKEN_FIELDS, decode_tokens
 
@@ -60,3 +61,25 @@ def test_quick_guard_map_pairs_the_guard_with_both_methods(tmp_path):
     assert [row["cell"] for row in summary["families"]["guarded - recompute"]] == ["s2-k1-lrhi"]
     row = summary["families"]["guarded - recompute"][0]
     assert row["verdict"] in ("difference", "equivalent", "not resolved") and row["n"] == 2
+
+
+@pytest.mark.slow
+def test_quick_guard_smollm2_runs_the_three_methods_on_one_seed(tokenizer, tmp_path):
+    """benchmarks/guard_smollm2.py at a tiny size: the three methods of the confirmation's setting on one seed (four
+    optimizer steps per batch, max_staleness=4), the guard's metrics kept, the seed paired, no decision from one."""
+    model_dir = tmp_path / "model"
+    make_model(tokenizer).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    out = tmp_path / "guard"
+    command = [sys.executable, "-m", "benchmarks.guard_smollm2", "--quick", "--seeds", "1", "--model", str(model_dir)]
+    command += ["--out", str(out)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    subprocess.run(command, check=True, timeout=900, env=env, capture_output=True, text=True, cwd=ROOT)
+    runs = {path.stem: json.loads(path.read_text()) for path in (out / "runs").glob("*.json")}
+    assert set(runs) == {"guarded-s4-k4@1", "loglinear-s4-k4@1", "recompute-s4-k4@1"}
+    assert all(run["steps_per_batch"] == 4 and run["staleness"] == 4 for run in runs.values())
+    guarded = runs["guarded-s4-k4@1"]["training_log"]
+    assert all("a3po/prox_recompute_fraction" in entry for entry in guarded)  # the guard's metrics are kept
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["paired_seeds"] == [1] and summary["decision"] is None and summary["families"] == {}
+    assert "not decided until all 5 seeds are paired (1 so far)" in (out / "summary.md").read_text()

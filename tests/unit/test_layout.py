@@ -22,6 +22,7 @@ LAYERS = {
     "a3po_trl.patches": 1,
     "a3po_trl.distributed": 1,
     "a3po_trl.devices": 1,
+    "a3po_trl.timing": 1,  # device work timed by events, read when logged (both threads)
     "a3po_trl.proximal_check": 1,  # a weight version's log-probs: the exact target of the interpolation
     "a3po_trl.generation.weights": 2,  # the weight path: gather, dtype, staging store, copies, memory plan
     "a3po_trl.generation": 3,  # the batch producer, the queue, the schedule, the backend interface

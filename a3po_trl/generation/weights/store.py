@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from ...devices import StreamFence
-from ...metrics.deferred import DeferredSeconds, IntervalTimer
+from ...timing import DeferredSeconds, IntervalTimer
 from .gather import ParameterGather
 
 logger = logging.getLogger(__name__)
