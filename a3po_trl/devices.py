@@ -47,11 +47,16 @@ def module_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def cuda_devices(devices: Iterable[torch.device]) -> set[torch.device]:
+    """The CUDA devices among ``devices``, each once, with an explicit index."""
+    return {explicit_device(d) for d in devices if torch.device(d).type == "cuda"}
+
+
 def wait_for_copies(devices: Iterable[torch.device]) -> None:
     """Block until the work queued on the calling thread's current stream of every CUDA device in ``devices`` is
     done: asynchronous copies into or out of a buffer another thread reads next (the generation thread has its own
     stream; the main thread writes with the default one). No-op for other devices."""
-    for device in {explicit_device(d) for d in devices if torch.device(d).type == "cuda"}:
+    for device in cuda_devices(devices):
         torch.cuda.current_stream(device).synchronize()
 
 
@@ -70,7 +75,7 @@ class StreamFence:
     def record(cls, devices: Iterable[torch.device]) -> StreamFence:
         """Events on the calling thread's current stream of every CUDA device in ``devices`` (each once)."""
         events = []
-        for device in {explicit_device(d) for d in devices if torch.device(d).type == "cuda"}:
+        for device in cuda_devices(devices):
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
             events.append(event)
@@ -81,7 +86,7 @@ class StreamFence:
         runs what is queued next (the host does not wait)."""
         if not self.events:
             return
-        for device in {explicit_device(d) for d in devices if torch.device(d).type == "cuda"}:
+        for device in cuda_devices(devices):
             stream = torch.cuda.current_stream(device)
             for event in self.events:
                 stream.wait_event(event)

@@ -34,9 +34,9 @@ from .functional import (
     kl_to_reference,
     token_staleness,
 )
-from .metrics.deferred import IntervalTimer
 from .metrics.loss import approximation_error_metrics, behavior_drift_metrics, behavior_mismatch_metrics, loss_metrics
 from .timeline import TRAINING_LANE
+from .timing import IntervalTimer
 
 #: Loss types whose scalar GRPOTrainer divides by the accumulation steps after computing it (its ``policy_loss`` is
 #: logged before that division); the others are normalized by the generation batch's token count.

@@ -33,8 +33,8 @@ import torch
 
 from .functional import interpolation_check_sums, interpolation_check_verdict
 from .generation.schedule import PlannedBatch
-from .metrics.deferred import IntervalTimer
 from .proximal_check import PreviousVersionWeights
+from .timing import IntervalTimer
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ A tensor entry that is NaN means *no value at this micro-step* (for instance the
 without on-policy tokens): it is dropped, as if it had never been appended, and a name left without values is not
 logged. (GRPOTrainer's ``log`` skips NaN values too; a float entry, GRPOTrainer's own, is left as it is.)
 
-:class:`~a3po_trl.timing.IntervalTimer` (re-exported here) times work on the device the same way, and its
+:class:`~a3po_trl.timing.IntervalTimer` times work on the device the same way; its
 :class:`~a3po_trl.timing.DeferredSeconds` are read here too.
 """
 
@@ -20,9 +20,7 @@ import math
 
 import torch
 
-from ..timing import DeferredSeconds, IntervalTimer
-
-__all__ = ["DeferredSeconds", "IntervalTimer", "nan_if_empty", "resolve_metrics"]
+from ..timing import DeferredSeconds
 
 
 def nan_if_empty(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

@@ -85,27 +85,29 @@ class OverlapMonitor(TrainerCallback):
         self._is_main_process = is_main_process
         self.warned: tuple | None = None
         """The figures of the window that was reported (``(steps, S, T, G)``), if any."""
+        self._done = False
+        """Nothing more to measure in this call: reported, no per-thread CPU clock, or the thread ended."""
         self._start: tuple | None = None
         self._generator_clock: Callable[[], float] | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.warned, self._start, self._generator_clock = None, None, None
+        self.warned, self._done, self._start, self._generator_clock = None, False, None, None
 
     def on_step_end(self, args, state, control, **kwargs):
         producer = self._producer()
-        if self.warned is not None or producer is None or not getattr(producer, "asynchronous", False):
+        if self._done or producer is None or not getattr(producer, "asynchronous", False):
             return
         if self._generator_clock is None:
             if producer.consumed < 2:  # the first batch was generated while the trainer waited: not a turn
                 return
             self._generator_clock = thread_cpu_clock(producer.thread)
             if self._generator_clock is None:
-                self.warned = ()  # no per-thread CPU clock here: nothing to measure
+                self._done = True  # no per-thread CPU clock here: nothing to measure
                 return
         try:
             now = (state.global_step, time.perf_counter(), time.thread_time(), self._generator_clock())
         except OSError:  # the generation thread ended (its last batch is done): nothing more to measure
-            self.warned = ()
+            self._done = True
             return
         if self._start is None:
             self._start = now
@@ -117,6 +119,6 @@ class OverlapMonitor(TrainerCallback):
         self._start = now
         if overlap_costs(step_seconds, trainer_cpu, generator_cpu):
             window = (now[0] - steps + 1, now[0])
-            self.warned = (window, step_seconds, trainer_cpu, generator_cpu)
+            self.warned, self._done = (window, step_seconds, trainer_cpu, generator_cpu), True
             if self._is_main_process():
                 logger.warning(overlap_message(window, step_seconds, trainer_cpu, generator_cpu))

@@ -117,7 +117,7 @@ def _overlap_warning(trainer):
     monitor = getattr(trainer, "overlap_monitor", None)
     if monitor is None:
         return None
-    if not monitor.warned:
+    if monitor.warned is None:
         return False
     steps, step_seconds, trainer_cpu, generator_cpu = monitor.warned
     figures = {"step_seconds": step_seconds, "trainer_cpu": trainer_cpu, "generator_cpu": generator_cpu}

@@ -127,7 +127,7 @@ def test_a_server_reading_a_held_version_on_the_host_waits_for_its_fill(monkeypa
 def test_a_publication_returns_its_seconds_and_on_cuda_reads_them_from_events_at_log_time(tokenizer):
     from tiny import make_model
 
-    from a3po_trl.metrics.deferred import DeferredSeconds
+    from a3po_trl.timing import DeferredSeconds
 
     model = make_model(tokenizer)
     names = [name for name, _ in model.named_parameters()]

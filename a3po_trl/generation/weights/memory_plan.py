@@ -387,9 +387,9 @@ def plan_generator_memory_choosing_staging(
 ) -> GeneratorMemoryPlan:
     """:func:`plan_generator_memory`, where the staging's place is chosen here when ``setup`` leaves it open
     (``staging_device=None``) for ``generate`` or colocated vLLM on a GPU: on the GPU when the plan with the staged
-    copies there
-    leaves :data:`DEVICE_STAGING_RESERVE` of the GPU free (``free_bytes``, as :meth:`GeneratorMemoryPlan.check`
-    takes them) and the engine's weights fit its reservation; in pinned host memory otherwise. On the GPU a version
+    copies there leaves :data:`DEVICE_STAGING_RESERVE` of the GPU free (``free_bytes``, as
+    :meth:`GeneratorMemoryPlan.check` takes them) and the engine's weights fit its reservation; in pinned host memory
+    otherwise. On the GPU a version
     moves from the gather to the staging buffer to the engine within the GPU's memory; from pinned host memory it
     crosses PCIe twice (see docs/GPU.md)."""
     generation = setup.generation_device
