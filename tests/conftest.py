@@ -22,12 +22,18 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from tiny import make_tokenizer  # noqa: E402
+from tiny import make_tokenizer, make_tool_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tokenizer():
     return make_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tool_tokenizer():
+    """The tiny tokenizer with a chat template that renders tools and tool calls (multi-turn tests)."""
+    return make_tool_tokenizer()
 
 
 @pytest.fixture(autouse=True)

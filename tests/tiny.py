@@ -160,6 +160,29 @@ def make_tool_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def multiply(a: int, b: int) -> int:  # a tool: TRL reads its schema from the docstring
+    """
+    Multiply two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+
+    Returns:
+        The product.
+    """
+    return a * b
+
+
+def tool_script(arguments='{"a": 3, "b": 4}'):
+    """A ``script`` for :func:`scripted_generate`: call ``multiply`` with ``arguments``, then answer."""
+
+    def script(text):
+        return DONE if "<tool_response>" in text else CALL.format(name="multiply", arguments=arguments)
+
+    return script
+
+
 def encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
