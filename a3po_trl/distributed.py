@@ -11,7 +11,11 @@ still tear its connections down while another finished its last collective (meas
 ZeRO-3 + LoRA runs; 0 in 26 with the barrier). The wait goes through the process group's store, not a collective, so
 it is bounded on every rank: gloo's ``monitored_barrier`` bounds rank 0's wait only, and a rank that failed while
 another was left in a collective waiting for it then waited for rank 0's answer for the process group's whole
-timeout (30 min) instead of exiting, which is what lets the launcher end the others.
+timeout (30 min) instead of exiting, which is what lets the launcher end the others. Once every rank is there, a gloo
+barrier on each gloo group (bounded too) finishes the work still queued on it, which gloo runs before a barrier: with
+the store's wait alone a two-process ZeRO-3 run with a reward model still aborted a rank at exit once in CI (an
+asynchronous collective nobody waited for, ZeRO-3's prefetching, is the candidate: its tensors would be released on
+gloo's threads during finalization; not reproduced here).
 
 :func:`raise_together` is the other half: a step every process takes together (taking a generation batch, saving or
 resuming a checkpoint) that fails on one process raises on all of them, so none is left in a collective.
@@ -57,6 +61,10 @@ def destroy_process_group_if_initialized() -> bool:
             # rank, so a rank that crashed delays the others' exit (and a failed rank its own) by at most the timeout
             store = dist.distributed_c10d._get_default_store()
             exit_barrier(store, dist.get_world_size(), EXIT_BARRIER_TIMEOUT_SECONDS)
+            # every rank is here: a gloo barrier on each group now meets the others, and finishes the work still
+            # queued on the group (work nobody waited for, e.g. ZeRO-3's prefetching all-gathers) while the
+            # interpreter is whole, rather than on gloo's threads during finalization
+            drain_pending_work(gloo_groups(), EXIT_BARRIER_TIMEOUT_SECONDS)
     except Exception as error:
         logger.warning("barrier before destroy_process_group at exit failed: %r", error)
     try:
@@ -81,6 +89,30 @@ def exit_barrier(store, world_size: int, timeout_seconds: float) -> None:
         raise RuntimeError(
             f"{arrived} of {world_size} processes reached the exit within {timeout_seconds:g} s ({error})"
         ) from error
+
+
+def gloo_groups() -> list:
+    """This process's gloo process groups (the default one and every group made with ``new_group`` that it belongs
+    to), in the order they were made, which is the same on every process."""
+    world = dist.distributed_c10d._world
+    groups = [group for group in world.pg_map if str(dist.get_backend(group)).lower() == "gloo"]
+    return sorted(groups, key=lambda group: _creation_order(world.pg_names.get(group, "")))
+
+
+def _creation_order(name: str):
+    """Groups are named by a counter ("0", "1", ...) unless a caller named them: counted names first, by number."""
+    return (0, int(name), "") if name.isdigit() else (1, 0, name)
+
+
+def drain_pending_work(groups, timeout_seconds: float) -> None:
+    """A barrier on each of ``groups`` (gloo groups), each waited for at most ``timeout_seconds``: gloo runs a barrier
+    only after all the work queued on its group before it (asynchronous collectives whose handles nobody waited for),
+    so once it returns none of that work is left for gloo's threads to finish, and release the tensors it holds,
+    during interpreter finalization. Every process of each group must call this (a collective). Raises the first
+    group's error or timeout."""
+    timeout = datetime.timedelta(seconds=timeout_seconds)
+    for group in groups:
+        group.barrier().wait(timeout)
 
 
 class PeerProcessFailed(RuntimeError):

@@ -63,3 +63,76 @@ def test_the_exit_barrier_waits_for_every_process_and_is_bounded_for_each():
     with pytest.raises(RuntimeError, match="1 of 2 processes reached the exit within 0.3 s"):
         distributed.exit_barrier(alone, 2, 0.3)
     assert time.monotonic() - start < 5
+
+
+def test_the_drain_returns_only_once_the_work_queued_before_it_is_done():
+    """The exit's gloo barrier: process 0 queues an all-reduce nobody waits for, process 1 joins it 0.5 s later; the
+    drain on process 0 returns only after the all-reduce finished (gloo runs a barrier after the work queued before
+    it), so no collective is left to gloo's threads during finalization. Two processes as two threads, each with its
+    own gloo group over one store."""
+    import datetime
+
+    import torch
+
+    store, groups = dist.HashStore(), [None, None]
+
+    def make(rank):
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=20))
+
+    run_in_threads(make, make)
+    tensors = [torch.ones(1_000_000), torch.ones(1_000_000)]
+    unwaited = groups[0].allreduce([tensors[0]])  # its handle is never waited for, as at the end of a ZeRO-3 run
+    seen = {}
+
+    def process_0():
+        distributed.drain_pending_work([groups[0]], 10.0)
+        seen["completed when the drain returned"] = unwaited.is_completed()
+
+    def process_1():
+        time.sleep(0.5)
+        groups[1].allreduce([tensors[1]])
+        distributed.drain_pending_work([groups[1]], 10.0)
+
+    run_in_threads(process_0, process_1)
+    assert seen == {"completed when the drain returned": True}
+    assert tensors[0][0].item() == 2.0
+
+
+def test_the_drain_is_bounded_when_a_process_never_joins():
+    import datetime
+
+    store, groups = dist.HashStore(), [None, None]
+
+    def make(rank):
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=20))
+
+    run_in_threads(make, make)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError):
+        distributed.drain_pending_work([groups[0]], 0.5)
+    assert time.monotonic() - start < 5
+    distributed.drain_pending_work([groups[1]], 10.0)  # the late one meets the barrier still queued on process 0
+
+
+def test_the_default_group_is_drained_at_exit(gloo_group, monkeypatch):
+    world = dist.group.WORLD
+    assert distributed.gloo_groups() == [world]
+    distributed.drain_pending_work([world], 5.0)  # the group object torch keeps has the barrier the drain calls
+    drained = []
+    monkeypatch.setattr(distributed, "drain_pending_work", lambda groups, timeout: drained.append(groups))
+    monkeypatch.setattr(dist, "get_world_size", lambda *args: 2)  # one process, presented as two
+    monkeypatch.setattr(distributed, "exit_barrier", lambda *args: None)
+    assert distributed.destroy_process_group_if_initialized() is True
+    assert drained == [[world]]
+
+
+def run_in_threads(*targets):
+    threads = [
+        threading.Thread(target=target, args=(rank,) if target.__code__.co_argcount else ())
+        for rank, target in enumerate(targets)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not any(thread.is_alive() for thread in threads)
