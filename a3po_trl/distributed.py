@@ -93,15 +93,9 @@ def exit_barrier(store, world_size: int, timeout_seconds: float) -> None:
 
 def gloo_groups() -> list:
     """This process's gloo process groups (the default one and every group made with ``new_group`` that it belongs
-    to), in the order they were made, which is the same on every process."""
-    world = dist.distributed_c10d._world
-    groups = [group for group in world.pg_map if str(dist.get_backend(group)).lower() == "gloo"]
-    return sorted(groups, key=lambda group: _creation_order(world.pg_names.get(group, "")))
-
-
-def _creation_order(name: str):
-    """Groups are named by a counter ("0", "1", ...) unless a caller named them: counted names first, by number."""
-    return (0, int(name), "") if name.isdigit() else (1, 0, name)
+    to), in the order they were made (torch's group map is a dict filled as they are made), which is the same on
+    every process."""
+    return [group for group in dist.distributed_c10d._world.pg_map if str(dist.get_backend(group)).lower() == "gloo"]
 
 
 def drain_pending_work(groups, timeout_seconds: float) -> None:

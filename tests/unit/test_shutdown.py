@@ -70,16 +70,9 @@ def test_the_drain_returns_only_once_the_work_queued_before_it_is_done():
     drain on process 0 returns only after the all-reduce finished (gloo runs a barrier after the work queued before
     it), so no collective is left to gloo's threads during finalization. Two processes as two threads, each with its
     own gloo group over one store."""
-    import datetime
-
     import torch
 
-    store, groups = dist.HashStore(), [None, None]
-
-    def make(rank):
-        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=20))
-
-    run_in_threads(make, make)
+    groups = two_gloo_groups()
     tensors = [torch.ones(1_000_000), torch.ones(1_000_000)]
     unwaited = groups[0].allreduce([tensors[0]])  # its handle is never waited for, as at the end of a ZeRO-3 run
     seen = {}
@@ -99,14 +92,7 @@ def test_the_drain_returns_only_once_the_work_queued_before_it_is_done():
 
 
 def test_the_drain_is_bounded_when_a_process_never_joins():
-    import datetime
-
-    store, groups = dist.HashStore(), [None, None]
-
-    def make(rank):
-        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=20))
-
-    run_in_threads(make, make)
+    groups = two_gloo_groups()
     start = time.monotonic()
     with pytest.raises(RuntimeError):
         distributed.drain_pending_work([groups[0]], 0.5)
@@ -126,11 +112,21 @@ def test_the_default_group_is_drained_at_exit(gloo_group, monkeypatch):
     assert drained == [[world]]
 
 
+def two_gloo_groups():
+    """Process groups of two gloo processes over one store, one per rank, made (together) in two threads."""
+    import datetime
+
+    store, groups = dist.HashStore(), [None, None]
+
+    def make(rank):
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=20))
+
+    run_in_threads(lambda: make(0), lambda: make(1))
+    return groups
+
+
 def run_in_threads(*targets):
-    threads = [
-        threading.Thread(target=target, args=(rank,) if target.__code__.co_argcount else ())
-        for rank, target in enumerate(targets)
-    ]
+    threads = [threading.Thread(target=target) for target in targets]
     for thread in threads:
         thread.start()
     for thread in threads:
