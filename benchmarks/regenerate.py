@@ -19,6 +19,12 @@ What is regenerated, and from what:
   ... ``<!-- /regenerate:NAME -->``), from those summaries, by :mod:`benchmarks.doc_blocks`: the numbers the README's
   table and BENCHMARKS' headline tables quote are never copied by hand.
 
+Regenerated numbers compare with the committed ones within a stated tolerance, not as bytes
+(:mod:`benchmarks.common.equivalence`: 1e-9 relative; a shown digit may round the other way only where its summary's
+JSON carries host noise): the same records give other last bits on another host's BLAS, and a file that says what the
+committed one says is left as committed, by ``--check`` and by a rewrite alike. The documents' blocks are written from
+the committed summaries, so they compare exactly.
+
 Not regenerable, and why (:data:`NOT_REGENERABLE`): the summaries whose runs were never committed (none today). A
 study being rerun (:data:`RERUNS`) keeps its old summary until every run of the rerun is committed: a part of the
 rerun (the runner resumes it) never replaces a whole summary.
@@ -72,6 +78,7 @@ def regenerate(results: Path = RESULTS, documents: Sequence[Path] = DOCUMENTS) -
     from benchmarks import dynamic_sampling, in_flight, proximal_map, staleness, time_to_accuracy
 
     done = []
+    committed = _snapshot(results)
     studies = [
         ("staleness", staleness.main, []),
         ("staleness/confirmation", staleness.main, ["--confirmation"]),
@@ -107,8 +114,45 @@ def regenerate(results: Path = RESULTS, documents: Sequence[Path] = DOCUMENTS) -
     if (results / "proximal_map" / "families.md").exists():
         done += ["proximal_map/families.md", "proximal_map/families.json"]
     done += _tables(results)
+    keep_equivalent(results, committed, done)
     done += write_documents(results, documents)
     return done
+
+
+def _snapshot(results: Path) -> dict[str, str]:
+    """The text of every summary and table under ``results`` (not the per-run records), by name relative to it."""
+    return {
+        str(path.relative_to(results)): path.read_text()
+        for pattern in ("*.json", "*.md")
+        for path in results.rglob(pattern)
+        if not {"runs", "work"} & set(path.relative_to(results).parts[:-1])
+        and not any(part.endswith(".runs") for part in path.relative_to(results).parts)
+    }
+
+
+def keep_equivalent(results: Path, committed: dict[str, str], regenerated: Sequence[str]) -> list[str]:
+    """Put back the committed text of every regenerated file that says what it says (numbers within the tolerance of
+    :mod:`benchmarks.common.equivalence`), so that regenerating on another host rewrites no file for host noise;
+    returns the files put back. JSON first: a Markdown file may differ by one unit in a shown digit only where a
+    JSON file of its folder was regenerated with noise."""
+    from benchmarks.common.equivalence import differences
+
+    kept, noisy_folders = [], set()
+    for name in sorted(regenerated, key=lambda name: not name.endswith(".json")):
+        path = results / name
+        old = committed.get(name)
+        if old is None or not path.exists():
+            continue
+        new = path.read_text()
+        if new == old:
+            continue
+        folder = str(Path(name).parent)
+        if not differences(name, old, new, noisy=folder in noisy_folders):
+            path.write_text(old)
+            kept.append(name)
+            if name.endswith(".json"):
+                noisy_folders.add(folder)
+    return kept
 
 
 def write_documents(results: Path, documents: Sequence[Path]) -> list[str]:
@@ -156,7 +200,11 @@ def _tables(results: Path) -> list[str]:
 def check(results: Path = RESULTS, documents: Sequence[Path] = DOCUMENTS) -> dict[str, str]:
     """Regenerate into a scratch copy of ``results`` and of ``documents`` and compare every regenerated JSON and
     Markdown file, and every document, with the committed one (images are left out: a plot's bytes depend on the
-    matplotlib build). Returns what differs, with the first differing line."""
+    matplotlib build). Numbers compare within :mod:`benchmarks.common.equivalence`'s tolerance, so host noise in the
+    last bits passes and a hand edit of a shown digit does not. Returns what differs: the first number or line that
+    differs, with the committed and the regenerated line."""
+    from benchmarks.common import equivalence
+
     differences = {}
     with tempfile.TemporaryDirectory(prefix="a3po-regenerate-") as scratch:
         copy = Path(scratch) / "results"
@@ -172,12 +220,10 @@ def check(results: Path = RESULTS, documents: Sequence[Path] = DOCUMENTS) -> dic
             if not committed.exists():
                 differences[name] = "not committed"
                 continue
-            old, new = committed.read_text().splitlines(), regenerated.read_text().splitlines()
-            if old != new:
-                line = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
-                differences[name] = (
-                    f"line {line + 1}: committed {old[line : line + 1]} regenerated {new[line : line + 1]}"
-                )
+            found = equivalence.differences(name, committed.read_text(), regenerated.read_text())
+            if found:
+                more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+                differences[name] = found[0] + more
     return differences
 
 

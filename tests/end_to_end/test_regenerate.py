@@ -2,12 +2,14 @@
 the marked blocks of README.md, docs/BENCHMARKS.md and docs/USAGE.md are what the summaries give."""
 
 import json
+import math
 import re
 import shutil
 
 import pytest
 
 from benchmarks import doc_blocks, regenerate
+from benchmarks.common.equivalence import json_differences
 
 
 def test_committed_summaries_and_documents_equal_what_their_records_regenerate():
@@ -37,6 +39,83 @@ def test_check_names_a_number_edited_by_hand_in_the_readme_and_regenerate_restor
     readme.write_text(readme.read_text().replace("## Usage", "## Usage, edited"))
     regenerate.write_documents(regenerate.RESULTS, [readme])
     assert readme.read_text() == committed.replace("## Usage", "## Usage, edited")
+
+
+#: A float written with all its digits (as json.dumps writes one): host noise moves its last ones.
+FULL_FLOAT = re.compile(r"-?\d+\.\d{12,}(?:e[-+]?\d+)?")
+
+
+def _with_host_noise(text: str) -> str:
+    """``text`` with every full-precision float moved by three units in its last place, as another host's BLAS and
+    CPU features move them."""
+    return FULL_FLOAT.sub(lambda m: repr(math.nextafter(math.nextafter(math.nextafter(float(m[0]), 1), 1), 1)), text)
+
+
+def _one_unit_in_the_last_digit(text: str, number: str) -> str:
+    """``text`` with ``number`` (as shown) one unit higher in its last digit: a value on a rounding boundary that
+    another host rounds the other way."""
+    decimals = len(number.partition(".")[2])
+    return text.replace(number, f"{float(number) + 10.0**-decimals:.{decimals}f}", 1)
+
+
+def test_host_noise_in_the_committed_summaries_cannot_fail_the_check(tmp_path):
+    """The suite passes on a machine that did not write the summaries: summaries (and the documents' blocks written
+    from them) as a host with other rounding wrote them, every full-precision number moved in its last bits and a
+    shown digit rounded the other way, pass the check here."""
+    results = tmp_path / "results"
+    shutil.copytree(regenerate.RESULTS, results, ignore=shutil.ignore_patterns("work", "*.png"))
+    perturbed = 0
+    for summary in [*results.rglob("summary.json"), *results.rglob("families.json")]:
+        noisy = _with_host_noise(summary.read_text())
+        perturbed += noisy != summary.read_text()
+        summary.write_text(noisy)
+    assert perturbed >= 8
+    oracle_md = results / "oracle" / "summary.md"
+    oracle_md.write_text(_one_unit_in_the_last_digit(oracle_md.read_text(), "0.0861"))
+    documents = []
+    for document in regenerate.DOCUMENTS:
+        documents.append(tmp_path / "documents" / document.name)
+        documents[-1].parent.mkdir(exist_ok=True)
+        shutil.copy(document, documents[-1])
+    regenerate.write_documents(results, documents)  # the other host wrote its documents from its summaries
+    assert "| k4-lrhi | 42 | 2200 | 0.0862 |" in documents[1].read_text()
+    assert regenerate.check(results, documents) == {}
+
+
+def test_a_summary_number_edited_in_its_third_digit_is_named_and_host_noise_rewrites_nothing(tmp_path):
+    results = tmp_path / "results"
+    shutil.copytree(regenerate.RESULTS / "oracle", results / "oracle", ignore=shutil.ignore_patterns("*.png"))
+    summary, table = results / "oracle" / "summary.json", results / "oracle" / "summary.md"
+    committed_summary, committed_table = summary.read_text(), table.read_text()
+    # regenerating with host noise in the committed numbers rewrites neither file
+    summary.write_text(_with_host_noise(committed_summary))
+    table.write_text(_one_unit_in_the_last_digit(committed_table, "0.0861"))
+    noisy_summary, noisy_table = summary.read_text(), table.read_text()
+    assert noisy_summary != committed_summary and noisy_table != committed_table
+    regenerate.regenerate(results, documents=())
+    assert (summary.read_text(), table.read_text()) == (noisy_summary, noisy_table)
+    # this host's own summary (nothing committed to keep): no host noise, so a shown digit one unit off is an edit
+    summary.unlink()
+    table.unlink()
+    regenerate.regenerate(results, documents=())
+    own_summary = summary.read_text()
+    assert json_differences(committed_summary, own_summary) == []  # equivalent, whatever its last bits here
+    table.write_text(_one_unit_in_the_last_digit(committed_table, "0.0861"))
+    assert list(regenerate.check(results, documents=())) == ["oracle/summary.md"]
+    assert "number 0.0862 (regenerated 0.0861)" in regenerate.check(results, documents=())["oracle/summary.md"]
+    # the interval's upper end edited in its third significant digit: named with its place in the summary
+    table.write_text(committed_table)
+    edited = re.sub(r"0\.0705(39099674357\d+)", r"0.0706\1", own_summary)
+    summary.write_text(edited)
+    differences = regenerate.check(results, documents=())
+    assert list(differences) == ["oracle/summary.json"]
+    assert differences["oracle/summary.json"].startswith(
+        "$.configurations.k4-lrhi.reduction.probability.interval[1]: committed 0.07063909967435"
+    )
+    assert " regenerated 0.0705390996743" in differences["oracle/summary.json"]
+    regenerate.regenerate(results, documents=())
+    assert summary.read_text() == own_summary
+    assert regenerate.check(results, documents=()) == {}
 
 
 def test_a_block_without_a_generator_or_an_end_is_refused_by_name(tmp_path):
