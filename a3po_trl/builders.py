@@ -420,7 +420,7 @@ def build_batch_producer(trainer, plan: RunPlan) -> tuple[BatchProducer, dict]:
         num_batches=len(planned),
         queue_size=args.max_staleness + 1,
         asynchronous=args.async_generation,
-        num_threads=args.generation_num_threads,
+        num_threads=trainer.cpu_threads.generation,
         poll_interval=args.generation_poll_interval,
         exact_versions=args.reproducible_generation,
         timeline=trainer.timeline,

@@ -155,11 +155,11 @@ class AsyncA3POConfig(GRPOConfig):
             processes the whole local generation batch at once.
         generation_num_threads (`int` or `None`, *optional*, defaults to `None`):
             CPU only: number of intra-op threads of the generation thread (`torch.set_num_threads` inside the
-            thread). `None` leaves PyTorch's setting. On a small CPU machine, one thread for generation and one for
-            training lets both run side by side.
+            thread). With both counts `None`, `train()` chooses: one intra-op thread each where the model's products
+            are small, PyTorch's count otherwise, and logs the choice (docs/USAGE.md, "CPU threads").
         training_num_threads (`int` or `None`, *optional*, defaults to `None`):
-            CPU only: number of intra-op threads of the training (main) thread during `train()`. `None` leaves
-            PyTorch's setting.
+            CPU only: number of intra-op threads of the training (main) thread during `train()`. `None`: see
+            `generation_num_threads`.
         generation_poll_interval (`float`, *optional*, defaults to `0.1`):
             Seconds between checks of the generation thread's health while the trainer waits for samples; bounds
             how late an error in the thread is noticed.
@@ -329,11 +329,11 @@ class AsyncA3POConfig(GRPOConfig):
     )
     generation_num_threads: int | None = field(
         default=None,
-        metadata={"help": "CPU intra-op threads of the generation thread; None leaves PyTorch's setting."},
+        metadata={"help": "CPU intra-op threads of the generation thread; None: chosen from the model (logged)."},
     )
     training_num_threads: int | None = field(
         default=None,
-        metadata={"help": "CPU intra-op threads of the training thread during train(); None leaves it unchanged."},
+        metadata={"help": "CPU intra-op threads of the training thread during train(); None: chosen (logged)."},
     )
     generation_poll_interval: float = field(
         default=0.1,

@@ -48,6 +48,7 @@ from .checkpoints.saves import resumed_a_complete_run
 from .config import AsyncA3POConfig, trainer_config
 from .distributed import ArrivalGate, destroy_process_group_at_exit, take_together
 from .generation import BatchProducer, GenerationBackend
+from .generation.cpu_threads import CPUThreads, choose_cpu_threads
 from .generation.producer import refuse_a_second_generation_thread
 from .losses import DecoupledLossMixin
 from .metrics.deferred import resolve_metrics
@@ -164,6 +165,8 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         self._step_timeline = TrainingStepTimeline(self.timeline)
         self.add_callback(self._step_timeline)  # before the publication callback: a step's span ends before it
         self.add_callback(_PublishWeightsCallback(self))
+        self.cpu_threads = CPUThreads(args.training_num_threads, args.generation_num_threads)
+        """The intra-op thread counts of the latest ``train()`` (see :mod:`a3po_trl.generation.cpu_threads`)."""
         self.overlap_monitor = OverlapMonitor(lambda: self._producer, lambda: self.accelerator.is_main_process)
         """Says once per ``train()`` call when the generation thread's overlap costs more than it hides."""
         self.add_callback(self.overlap_monitor)
@@ -296,8 +299,15 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
 
     def train(self, *args, **kwargs):
         previous_threads = torch.get_num_threads()
-        if self.args.training_num_threads is not None:
-            torch.set_num_threads(self.args.training_num_threads)
+        self.cpu_threads = choose_cpu_threads(
+            self.args, self._unwrapped_model().config, self._generation_shares_cpu(), previous_threads
+        )
+        if self.cpu_threads.reason and self.accelerator.is_main_process:
+            logger.info(
+                "CPU threads: %s (training_num_threads / generation_num_threads override)", self.cpu_threads.reason
+            )
+        if self.cpu_threads.training is not None:
+            torch.set_num_threads(self.cpu_threads.training)
         # Micro-steps are counted from the start of this run: its first one takes a new batch (see _prepare_inputs).
         self._run_start_step = self._step
         self._buffered_inputs = None
@@ -333,6 +343,12 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         if generation_error is not None:  # it failed after the last batch the trainer took: nobody saw it yet
             raise generation_error.with_traceback(generation_error.__traceback__)
         return result
+
+    def _generation_shares_cpu(self) -> bool:
+        """Whether the generation thread runs ``generate`` on this process's CPU beside training."""
+        device = torch.device(self.args.generation_device or self.accelerator.device)
+        on_cpu = device.type == "cpu" and self.accelerator.device.type == "cpu"
+        return on_cpu and self.args.async_generation and not self._use_vllm_backend
 
     def _end_train(self, previous_threads: int) -> BaseException | None:
         """What ends every ``train()``: stop the generation thread (returning its unreported error), restore the

@@ -9,15 +9,24 @@ from .plan import METHODS
 
 
 def pipeline_analysis(configs: dict, staleness) -> dict:
-    """Ideal pipelined step time max(generation, training) from the pieces runs vs the async step times."""
+    """Ideal pipelined step time max(generation, training) from the pieces runs vs the async step times. With
+    several pieces runs of a method (thread variants, ``pieces-loglinear-t1``), the fastest one gives the ideal."""
     out = {}
     for method in METHODS:
-        pieces = configs.get(f"pieces-{method}")
-        if not pieces or pieces.get("generation_piece") is None or pieces.get("training_piece") is None:
+        candidates = [
+            run
+            for name, run in configs.items()
+            if (name == f"pieces-{method}" or name.startswith(f"pieces-{method}-"))
+            and run.get("generation_piece") is not None
+            and run.get("training_piece") is not None
+        ]
+        if not candidates:
             continue
+        pieces = min(candidates, key=lambda run: run["generation_piece"] + run["training_piece"])
         generation, training = pieces["generation_piece"], pieces["training_piece"]
         ideal = max(generation, training)
         entry = {
+            "pieces_config": pieces.get("name"),
             "generation_alone": generation,
             "training_alone": training,
             "sequential": generation + training,

@@ -93,8 +93,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="CPU intra-op threads of the synchronous baseline (default: all cores)",
     )
-    parser.add_argument("--generation-threads", type=int, default=1, help="CPU: generation_num_threads")
-    parser.add_argument("--training-threads", type=int, default=1, help="CPU: training_num_threads")
+    parser.add_argument(
+        "--generation-threads", type=int, default=1, help="CPU: generation_num_threads (0: the library's default)"
+    )
+    parser.add_argument(
+        "--training-threads", type=int, default=1, help="CPU: training_num_threads (0: the library's default)"
+    )
+    parser.add_argument(
+        "--thread-variants",
+        default="",
+        help="comma list of extra thread settings of the pieces and asynchronous configurations: t<training>[g<gen>] "
+        "(t2g2: both at 2 intra-op threads, as configuration loglinear-s1-t2g2; t1: pieces-loglinear-t1)",
+    )
     parser.add_argument("--bf16", choices=["auto", "on", "off"], default="auto", help="auto: off on CPU")
     parser.add_argument(
         "--omp-wait-policy",

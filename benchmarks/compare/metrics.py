@@ -126,6 +126,7 @@ def summarize_run(record, common, final_window: int) -> dict:
     summary["engine"] = result.get("engine")
     summary.update(thread_cpu_per_step(result, post))
     summary["overlap_warning"] = result.get("overlap_warning")
+    summary["cpu_threads"] = result.get("cpu_threads")
     if config["kind"] == "pieces":
         waits = [series["trainer_wait_time"][i] for i in post]
         summary["generation_piece"] = _median(waits)

@@ -73,18 +73,43 @@ def _selected(name: str, patterns: str) -> bool:
     return False
 
 
-def config_names(staleness, single_thread_trl: bool = False) -> list[str]:
+def config_names(staleness, single_thread_trl: bool = False, thread_variants=()) -> list[str]:
+    """The configurations; each thread variant (``t1g1``: training 1, generation 1; ``t1``) adds a copy of every
+    pieces and asynchronous configuration at those counts (``pieces-loglinear-t1``, ``loglinear-s1-t1g1``)."""
     names = ["microbench", "trl"] + (["trl-t1"] if single_thread_trl else [])
-    names += ["pieces-loglinear", "pieces-recompute"]
+    for method in ("loglinear", "recompute"):
+        names += [f"pieces-{method}"] + [f"pieces-{method}-t{_counts(v)[0]}" for v in thread_variants]
     for d in staleness:  # the two methods side by side at each bound: little drift between the pair compared
-        names += [f"{method}-s{d}" for method in METHODS]
+        for method in METHODS:
+            names += [f"{method}-s{d}"] + [f"{method}-s{d}-{v}" for v in thread_variants if _counts(v)[1]]
     return names
+
+
+THREAD_VARIANT = re.compile(r"^t(\d+)(?:g(\d+))?$")
+
+
+def _counts(variant: str) -> tuple[int, int | None]:
+    """``t2g2`` -> (2, 2), ``t1`` -> (1, None); anything else is refused naming the form."""
+    match = THREAD_VARIANT.match(variant)
+    if not match:
+        raise SystemExit(f"--thread-variants: {variant!r} is not t<training>[g<generation>] (e.g. t1g1, t2)")
+    return int(match[1]), int(match[2]) if match[2] else None
+
+
+def _split_variant(name: str) -> tuple[str, tuple[int, int | None] | None]:
+    """A configuration name and its thread variant, if it has one (``loglinear-s1-t2g2`` -> ``loglinear-s1``)."""
+    head, _, tail = name.rpartition("-")
+    if (head.startswith("pieces-") or re.search(r"-s\d+$", head)) and THREAD_VARIANT.match(tail):
+        return head, _counts(tail)
+    return name, None
 
 
 def build_plan(options) -> list[dict]:
     """The runs, in order: every selected configuration on the first seed, then the repeated ones on the others."""
     plan = []
-    names = [n for n in config_names(options.staleness, _single_thread_trl(options)) if _selected(n, options.configs)]
+    variants = [v.strip() for v in options.thread_variants.split(",") if v.strip()]
+    names = config_names(options.staleness, _single_thread_trl(options), variants)
+    names = [n for n in names if _selected(n, options.configs)]
     for index in range(options.seeds):
         seed = options.seed + index
         for name in names:
@@ -105,6 +130,8 @@ def config_for(name: str, seed: int, options) -> dict:
     cpu = options.device == "cpu"
     sync_threads = options.sync_threads or os.cpu_count() or 1
     config = {"name": name, "run_id": f"{name}@seed{seed}", "seed": seed}
+    name, variant = _split_variant(name)
+    training_threads, generation_threads = variant or (options.training_threads, options.generation_threads)
     if name == "microbench":
         threads = sorted({options.training_threads, sync_threads}) if cpu else [None]
         config.update(kind="microbench", thread_counts=threads, reps=options.microbench_reps)
@@ -118,7 +145,10 @@ def config_for(name: str, seed: int, options) -> dict:
             max_staleness=0,
             async_generation=False,
             # generation runs in the main thread, so both pieces run on the training thread's thread count
-            threads={"process": sync_threads if cpu else None, "training": options.training_threads if cpu else None},
+            threads={
+                "process": sync_threads if cpu else None,
+                "training": (training_threads or None) if cpu else None,
+            },
         )
     else:
         method, staleness = name.rsplit("-s", 1)
@@ -132,8 +162,8 @@ def config_for(name: str, seed: int, options) -> dict:
             reproducible_generation=True,
             threads={
                 "process": sync_threads if cpu else None,
-                "training": options.training_threads if cpu else None,
-                "generation": options.generation_threads if cpu else None,
+                "training": (training_threads or None) if cpu else None,
+                "generation": (generation_threads or None) if cpu else None,
             },
         )
     return config
@@ -164,6 +194,8 @@ def run_settings(options) -> dict:
     reused (``RunStore.check_settings``)."""
     threads = {"sync": options.sync_threads, "generation": options.generation_threads}
     threads["training"] = options.training_threads
+    if options.thread_variants:
+        threads["variants"] = options.thread_variants
     return {
         **common_settings(options),
         "threads": threads,

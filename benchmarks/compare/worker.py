@@ -94,6 +94,8 @@ def run_training_config(config, common) -> dict:
             "step_end_trainer_cpu": timer.trainer_cpu,  # the training thread's CPU seconds since train begin
             "step_end_generator_cpu": timer.generator_cpu,  # the generation thread's since it started (or None)
             "overlap_warning": _overlap_warning(trainer),
+            # the intra-op thread counts train() set (the user's, or the library's choice: generation/cpu_threads.py)
+            "cpu_threads": vars(trainer.cpu_threads) if hasattr(trainer, "cpu_threads") else None,
             "series": series,
             "global_step": trainer.state.global_step,
             "torch_threads_after": torch.get_num_threads(),

@@ -269,3 +269,41 @@ def test_truncated_sampling_is_recorded_not_warned_about(tokenizer, tmp_path, ca
     assert "top_k=20, top_p=0.9" in caplog.text and "records the log-probs of the processed" in caplog.text
     assert "biases the importance ratios" not in caplog.text
     assert builders.hf_generation_settings(trainer).record_sampling_logps
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_without_thread_settings_small_products_train_and_generate_on_one_intra_op_thread_each(
+    tokenizer, tmp_path, monkeypatch, caplog, small
+):
+    """Neither thread count set: the tiny model's products are small, so both threads run one intra-op thread; where
+    the products count as large, both keep PyTorch's count. train() restores the count it found, and logs the rule."""
+    import logging
+
+    from a3po_trl.generation import cpu_threads
+
+    if not small:
+        monkeypatch.setattr(cpu_threads, "SMALL_PRODUCT", 1)
+    seen = {}
+
+    def counting_reward(completions, **kwargs):
+        seen["generation"] = torch.get_num_threads()
+        return [0.0] * len(completions)
+
+    class CountThreads(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            seen["training"] = torch.get_num_threads()
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        trainer = make_trainer(tokenizer, tmp_path, reward_funcs=(counting_reward,), max_steps=2)
+        trainer.add_callback(CountThreads())
+        with caplog.at_level(logging.INFO, logger="a3po_trl.trainer"):
+            trainer.train()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(previous)
+    assert seen == ({"generation": 1, "training": 1} if small else {"generation": 2, "training": 2})
+    assert [r.getMessage() for r in caplog.records if "CPU threads" in r.getMessage()] == [
+        f"CPU threads: {trainer.cpu_threads.reason} (training_num_threads / generation_num_threads override)"
+    ]

@@ -1,0 +1,59 @@
+"""The intra-op thread counts train() chooses on a CPU when the user sets neither (a3po_trl.generation.cpu_threads)."""
+
+from types import SimpleNamespace
+
+import pytest
+from transformers import LlamaConfig, Qwen2VLConfig
+
+from a3po_trl import AsyncA3POConfig
+from a3po_trl.generation.cpu_threads import SMALL_PRODUCT, choose_cpu_threads, largest_product
+
+TINY = LlamaConfig(hidden_size=32, intermediate_size=64, vocab_size=259)
+#: SmolLM2-135M's sizes
+SMOLLM2 = LlamaConfig(hidden_size=576, intermediate_size=1536, vocab_size=49152)
+
+
+def _args(**overrides):
+    kwargs = dict(output_dir="out", per_device_train_batch_size=8, num_generations=8, max_completion_length=64)
+    return AsyncA3POConfig(**{**kwargs, **overrides}, use_cpu=True, report_to="none")
+
+
+def test_the_largest_product_is_tokens_times_hidden_times_the_widest_of_mlp_and_vocabulary():
+    assert largest_product(SMOLLM2, 8, 64) == 8 * 64 * 576 * 49152 > SMALL_PRODUCT
+    assert largest_product(TINY, 8, 32) == 8 * 32 * 32 * 259 < SMALL_PRODUCT
+    assert largest_product(LlamaConfig(hidden_size=64, intermediate_size=4096, vocab_size=100), 1, 1) == 64 * 4096
+    # a multimodal model's sizes are in its text config
+    vision_language = Qwen2VLConfig(text_config=dict(hidden_size=128, intermediate_size=256, vocab_size=1000))
+    assert largest_product(vision_language, 2, 4) == 2 * 4 * 128 * 1000
+    assert largest_product(SimpleNamespace(hidden_size=None), 8, 64) is None
+
+
+def test_small_products_run_one_intra_op_thread_each_and_large_ones_keep_pytorchs_count():
+    small = choose_cpu_threads(_args(), TINY, generation_shares_cpu=True, available=2)
+    assert (small.training, small.generation) == (1, 1) and "is small" in small.reason
+    large = choose_cpu_threads(_args(), SMOLLM2, generation_shares_cpu=True, available=2)
+    assert (large.training, large.generation) == (None, None) and "keep PyTorch's 2" in large.reason
+    # the batch shape counts: SmolLM2 with two 4-token completions per micro-batch has small products
+    short = choose_cpu_threads(_args(per_device_train_batch_size=2, num_generations=2, max_completion_length=4),
+                               SMOLLM2, generation_shares_cpu=True, available=2)  # fmt: skip
+    assert (short.training, short.generation) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    "overrides, shares, available, expected",
+    [
+        ({"training_num_threads": 2}, True, 2, (2, None)),  # the user's choice, as set
+        ({"generation_num_threads": 1}, True, 2, (None, 1)),
+        ({"training_num_threads": 2, "generation_num_threads": 2}, True, 2, (2, 2)),
+        ({}, False, 2, (None, None)),  # no generation thread on this CPU: nothing to share
+        ({}, True, 1, (None, None)),  # one thread already
+    ],
+)
+def test_a_count_the_user_set_or_no_sharing_leaves_the_counts_alone(overrides, shares, available, expected):
+    chosen = choose_cpu_threads(_args(**overrides), TINY, generation_shares_cpu=shares, available=available)
+    assert (chosen.training, chosen.generation) == expected and chosen.reason is None
+
+
+def test_a_config_without_sizes_keeps_pytorchs_count_and_says_why():
+    chosen = choose_cpu_threads(_args(), SimpleNamespace(), generation_shares_cpu=True, available=2)
+    assert (chosen.training, chosen.generation) == (None, None) and "does not give its sizes" in chosen.reason
