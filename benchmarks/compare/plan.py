@@ -82,7 +82,7 @@ def config_names(staleness, single_thread_trl: bool = False, thread_variants=())
     for d in staleness:  # the two methods side by side at each bound: little drift between the pair compared
         for method in METHODS:
             names += [f"{method}-s{d}"] + [f"{method}-s{d}-{v}" for v in thread_variants if _counts(v)[1]]
-    return names
+    return list(dict.fromkeys(names))  # t1 and t1g1 both give pieces-loglinear-t1
 
 
 THREAD_VARIANT = re.compile(r"^t(\d+)(?:g(\d+))?$")
