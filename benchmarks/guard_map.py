@@ -4,7 +4,7 @@ The runs are the proximal map's (``benchmarks/proximal_map.py``: a tiny random L
 the trained policy's sampled reward; the same run function, settings and record), on the cells registered in
 ``results/guard/PREREGISTRATION.md``: the two where ``loglinear`` and ``recompute`` differed most in the committed map
 (``s8-k1-lrhi``, ``s2-k1-lrhi``) and the largest at four optimizer steps per batch (``s2-k4-lrlo``), each with the
-three methods, seeds 0-15, all at one commit. The guard runs with its defaults.
+three methods, seeds 0-15 (each record names its commit). The guard runs with its defaults.
 
 The summary: per cell and method the final reward and its area under the curve (mean over seeds, 95% t interval),
 the guard's share of micro-steps trained with the recomputed anchor and its checks' mean relative error; then the
@@ -47,10 +47,13 @@ def family(by_config: dict, a: str, b: str, margin: float = EQUIVALENCE_MARGIN) 
         finals = [{seed: run["final_reward"] for seed, run in runs.items()} for runs in (runs_a, runs_b)]
         test = paired_test(*finals, margin)
         row = {"cell": cell, **{k: test[k] for k in ("mean", "low", "high")}, "n": len(test["seeds"])}
-        rows.append({**row, "p": test["p"], "equivalence_p": test["equivalence_p"]})
+        # the same reward at every logged step of every paired seed: the same runs (the guard that never switched)
+        identical = all(runs_a[s]["logged"].get("reward") == runs_b[s]["logged"].get("reward") for s in test["seeds"])
+        rows.append({**row, "p": test["p"], "equivalence_p": test["equivalence_p"], "identical": identical})
     for row, p, tost in zip(rows, holm([r["p"] for r in rows]), holm([r["equivalence_p"] for r in rows])):
         row["holm_p"], row["holm_equivalence_p"] = p, tost
-        row["verdict"] = "difference" if p <= 0.05 else ("equivalent" if tost <= 0.05 else "not resolved")
+        equivalent = "identical" if row["identical"] else "equivalent"
+        row["verdict"] = "difference" if p <= 0.05 else (equivalent if tost <= 0.05 else "not resolved")
     return rows
 
 

@@ -69,7 +69,10 @@ def families(by_method: dict[str, dict[int, dict]], seeds: list[int]) -> dict[st
         if len(seeds) < 2:
             continue
         test = paired_test(*finals, EQUIVALENCE_MARGIN)
-        verdict = "difference" if test["p"] <= 0.05 else ("equivalent" if test["equivalent"] else "not resolved")
+        # the same held-out reward at every evaluation of every seed: the same runs (the guard that never switched)
+        curves = [[[point["reward"] for point in by_method[m][s]["curve"]] for s in seeds] for m in (a, b)]
+        equivalent = "identical" if curves[0] == curves[1] else "equivalent"
+        verdict = "difference" if test["p"] <= 0.05 else (equivalent if test["equivalent"] else "not resolved")
         rows[f"{a} - {b}"] = {**test, "verdict": verdict}
     return rows
 

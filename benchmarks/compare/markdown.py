@@ -18,6 +18,11 @@ def _fmt(value, digits=2, unit=""):
     return f"{value:.{digits}f}{unit}"
 
 
+def _count(threads) -> str:
+    """A thread count as the options gave it: 0 is the library's default (train() chooses, or PyTorch's count)."""
+    return "the library's default" if threads == 0 else str(threads)
+
+
 def write_markdown(report, path: str) -> None:
     meta, lines = report["meta"], []
     batch = meta["batch"]
@@ -32,9 +37,11 @@ def write_markdown(report, path: str) -> None:
         f"prompt(s) x {batch['num_generations']} generations), up to {batch['max_completion_length']} completion "
         f"tokens, one optimizer step per generation batch; {meta['steps']} steps per run, first "
         f"{meta['warmup_steps']} left out of timings; lr {meta['learning_rate']}; bf16={meta['bf16']}",
-        f"- Threads: TRL {meta['threads']['trl']}; AsyncA3PO training {meta['threads']['a3po_training']} + generation "
-        f"{meta['threads']['a3po_generation']}; pieces (generation in the main thread) {meta['threads']['pieces']}; "
-        f"OMP_WAIT_POLICY={meta['omp_wait_policy']}",
+        f"- Threads: TRL {meta['threads']['trl']}; AsyncA3PO training {_count(meta['threads']['a3po_training'])} + "
+        f"generation {_count(meta['threads']['a3po_generation'])}; pieces (generation in the main thread) "
+        f"{_count(meta['threads']['pieces'])}"
+        + (f"; variants {meta['threads']['variants']}" if meta["threads"].get("variants") else "")
+        + f"; OMP_WAIT_POLICY={meta['omp_wait_policy'] or 'unset'}",
         f"- Seeds: {meta['seeds']} (repeated configurations: {meta['extra_seeds_for']}); isolation: "
         f"{meta['isolation']}; data: {meta['data']}; rewards: {', '.join(meta['rewards'])}",
         "",

@@ -100,6 +100,7 @@ def build_report(records, options, common, started, finished) -> dict:
                 "a3po_training": options.training_threads if cpu else None,
                 "a3po_generation": options.generation_threads if cpu else None,
                 "pieces": options.training_threads if cpu else None,
+                **({"variants": options.thread_variants} if getattr(options, "thread_variants", "") else {}),
             },
             "isolation": options.isolation,
             "omp_wait_policy": env.get("env", {}).get("OMP_WAIT_POLICY"),

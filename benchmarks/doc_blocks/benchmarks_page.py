@@ -325,42 +325,77 @@ def compiled_decode_tables(s: Summaries) -> str:
 def launch_bound_tables(s: Summaries) -> str:
     """The launch-bound proxy: per configuration the step and each thread's CPU time, and the asynchronous step
     against the synchronous ones paired by seed (one family of two differences, Holm)."""
+    return _paired_steps(s, "launch-bound/launch-bound", "loglinear-s1", ("trl-t1", "pieces-loglinear"))
+
+
+def launch_bound_defaults_tables(s: Summaries) -> str:
+    """The launch-bound proxy at the library's defaults (OMP_WAIT_POLICY unset): the defaults' asynchronous step
+    against GRPOTrainer at its default and at one thread, and against PyTorch's count in both threads (one family of
+    three differences, Holm)."""
+    return _paired_steps(s, "launch-bound/defaults", "loglinear-s1", ("trl", "trl-t1", "loglinear-s1-t2g2"))
+
+
+def paired_steps(s: Summaries, report_name: str, config: str, baselines: tuple[str, ...]) -> list[dict]:
+    """``config``'s mean step in a compare report against each baseline's, paired by seed, Holm within the family:
+    per baseline its seeds, mean difference and 95% interval, Holm p, the per-seed ratios' range and both means."""
     from benchmarks.common.intervals import holm, p_value, paired_difference, paired_values
 
-    report = s.json("launch-bound/launch-bound.json")
     steps = {}
-    for run in report["runs"]:
+    for run in s.json(f"{report_name}.json")["runs"]:
         steps.setdefault(run["name"], {})[run["seed"]] = run["step_time_mean"]
     rows = []
-    for baseline in ("trl-t1", "pieces-loglinear"):
-        a, b = steps["loglinear-s1"], steps[baseline]
+    for baseline in baselines:
+        a, b = steps[config], steps[baseline]
         interval = paired_difference(a, b)
         seeds = sorted(a.keys() & b.keys())
-        test = {"seeds": seeds, "mean": interval.mean, "low": interval.low, "high": interval.high}
-        test["p"] = p_value(paired_values(a, b))
         ratios = [a[seed] / b[seed] for seed in seeds]
-        rows.append((baseline, test, min(ratios), max(ratios)))
-    adjusted = holm([test["p"] for _, test, _, _ in rows])
+        rows.append(
+            {
+                "baseline": baseline,
+                "seeds": seeds,
+                "mean": interval.mean,
+                "low": interval.low,
+                "high": interval.high,
+                "p": p_value(paired_values(a, b)),
+                "ratio_low": min(ratios),
+                "ratio_high": max(ratios),
+                "config_step": sum(a[seed] for seed in seeds) / len(seeds),
+                "baseline_step": sum(b[seed] for seed in seeds) / len(seeds),
+            }
+        )
+    for row, adjusted in zip(rows, holm([row["p"] for row in rows])):
+        row["holm_p"] = adjusted
+    return rows
+
+
+def _paired_steps(s: Summaries, report_name: str, config: str, baselines: tuple[str, ...]) -> str:
+    """A compare report's thread table, ``config``'s mean step against each baseline's paired by seed (Holm within
+    the family), and its distance to the ideal pipelined step."""
     lines = [
-        "| loglinear-s1 against | seeds | step difference, s [95% interval] | Holm p | step ratio, per seed |",
+        f"| {config} against | seeds | step difference, s [95% interval] | Holm p | step ratio, per seed |",
         "|---|---:|---|---:|---|",
     ]
-    for (baseline, test, low, high), p in zip(rows, adjusted):
+    for row in paired_steps(s, report_name, config, baselines):
         lines.append(
-            f"| {baseline} | {len(test['seeds'])} | {test['mean']:+.4f} [{test['low']:+.4f}, {test['high']:+.4f}] | "
-            f"{p:.3f} | {low:.2f}-{high:.2f} |"
+            f"| {row['baseline']} | {len(row['seeds'])} | {row['mean']:+.4f} [{row['low']:+.4f}, "
+            f"{row['high']:+.4f}] | {row['holm_p']:.3f} | {row['ratio_low']:.2f}-{row['ratio_high']:.2f} |"
         )
-    pipeline = report["pipeline"]["loglinear"]
-    ideal = (
-        f"Ideal (max of generation and training alone, from `pieces-loglinear`): {pipeline['ideal_pipelined']:.3f} s; "
-        f"`loglinear-s1` took {pipeline['achieved']['1']['step_time_median']:.3f} s, "
+    return "\n\n".join([s.table(f"{report_name}.md", 2), "\n".join(lines), ideal_line(s, report_name, config)])
+
+
+def ideal_line(s: Summaries, report_name: str, config: str) -> str:
+    pipeline = s.json(f"{report_name}.json")["pipeline"]["loglinear"]
+    pieces = pipeline.get("pieces_config", "pieces-loglinear")
+    return (
+        f"Ideal (max of generation and training alone, from `{pieces}`): {pipeline['ideal_pipelined']:.3f} s; "
+        f"`{config}` took {pipeline['achieved']['1']['step_time_median']:.3f} s, "
         f"{pipeline['achieved']['1']['ratio_to_ideal']:.2f}x the ideal."
     )
-    return "\n\n".join([s.table("launch-bound/launch-bound.md", 2), "\n".join(lines), ideal])
 
 
 BLOCKS = {
     "launch-bound": launch_bound_tables,
+    "launch-bound-defaults": launch_bound_defaults_tables,
     "compiled-decode": compiled_decode_tables,
     "guard-map": guard_map_tables,
     "guard-smollm2": guard_smollm2_tables,

@@ -46,6 +46,26 @@ def speed_row(s: Summaries) -> tuple[str, str, str]:
     )
 
 
+def launch_bound_row(s: Summaries) -> tuple[str, str, str]:
+    from .benchmarks_page import paired_steps
+
+    report = "launch-bound/defaults"
+    rows = {row["baseline"]: row for row in paired_steps(s, report, "loglinear-s1", ("trl", "trl-t1"))}
+    trl = rows["trl"]
+    verdict = "a difference" if trl["holm_p"] <= 0.05 else "not resolved"
+    ideal = s.json(f"{report}.json")["pipeline"]["loglinear"]["achieved"]["1"]["ratio_to_ideal"]
+    return (
+        "**Speed where Python bounds the step**",
+        f"at the library's defaults (no thread settings, `OMP_WAIT_POLICY` unset) the asynchronous step "
+        f"{trl['config_step']:.2f} s against `GRPOTrainer`'s {trl['baseline_step']:.2f} s at its default threads "
+        f"({trl['ratio_low']:.2f}-{trl['ratio_high']:.2f}x per seed, {signed(trl['mean'], 3)} "
+        f"[{signed(trl['low'], 3)}, {signed(trl['high'], 3)}] s, Holm p {trl['holm_p']:.3f}: {verdict}) and "
+        f"{rows['trl-t1']['baseline_step']:.2f} s at one thread; {ideal:.2f}x the ideal pipelined step",
+        f"a random tiny model on 2 CPU cores, {len(trl['seeds'])} seeds "
+        f"({_link('the defaults', 'the-launch-bound-proxy-at-the-librarys-defaults')})",
+    )
+
+
 def accuracy_row(s: Summaries) -> tuple[str, str, str]:
     demo = s.json("demo-smollm2.json")
     test = demo["paired_test"]
@@ -248,6 +268,7 @@ def versions_row(s: Summaries) -> tuple[str, str, str]:
 
 ROWS = (
     speed_row,
+    launch_bound_row,
     accuracy_row,
     staleness_row,
     proximal_row,
