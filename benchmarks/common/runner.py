@@ -353,9 +353,8 @@ def _launch(command, env, options, log_path: Path | None) -> tuple[dict[Cell, di
 
 def _block(reported: dict | None, fields: dict, started: float, commit: tuple) -> dict:
     """A run's provenance block: the launch's ``started`` time and ``commit``, its machine and foreign CPU
-    (``fields``), and the threads
-    and ``OMP_WAIT_POLICY`` the run ``reported`` (:func:`~benchmarks.common.provenance.run_settings`; a run that
-    reported none has them unrecorded)."""
+    (``fields``), and the threads and ``OMP_WAIT_POLICY`` the run ``reported``
+    (:func:`~benchmarks.common.provenance.run_settings`; a run that reported none has its threads unrecorded)."""
     reported = reported or {}
     return provenance(
         started,
