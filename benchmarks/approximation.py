@@ -41,6 +41,7 @@ from pathlib import Path
 
 from benchmarks.common.intervals import mean_interval
 from benchmarks.common.machine import kernel_info
+from benchmarks.common.provenance import run_settings, trainer_threads
 from benchmarks.common.runner import RunStore, plan, run_study, study_parser
 from benchmarks.staleness import word_choice_trainer
 
@@ -110,17 +111,21 @@ def approximation_trainer(model: str, name: str, seed: int, *, method: str, step
 
 
 def _run_one(options, name: str, seed: int) -> dict:
+    import torch
+
     trainer, settings = approximation_trainer(
         options.model, name, seed, method="metrics", steps=options.steps, quick=options.quick,
         prefix="a3po-approximation-",
     )  # fmt: skip
+    process_threads = torch.get_num_threads()
     trainer.train()
     steps = [
         {"step": h["step"], **{k: h[k] for k in LOGGED if k in h}}
         for h in trainer.state.log_history
         if "step" in h and "loss" in h
     ]
-    return {"config": name, "seed": seed, **settings, "steps": steps, "kernels": kernel_info()}
+    threads = run_settings(trainer_threads(trainer.args, process_threads))  # the runner adds the rest
+    return {"config": name, "seed": seed, **settings, "steps": steps, "kernels": kernel_info(), "provenance": threads}
 
 
 def stale_batch_steps(record: dict) -> list[dict]:

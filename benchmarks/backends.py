@@ -36,6 +36,8 @@ from pathlib import Path
 
 from benchmarks.common import internals
 from benchmarks.common.demo import demo_trainer
+from benchmarks.common.machine import LoadMeter
+from benchmarks.common.provenance import omp_wait_policy, provenance, thread_roles
 from benchmarks.common.runner import child_environment
 
 BACKENDS = ("generate", "continuous-batching", "vllm-colocate", "vllm-server")
@@ -249,6 +251,10 @@ def main() -> None:
         if int(os.environ.get("RANK", "0")) == 0:
             print("A3PO_RESULT " + json.dumps(result), flush=True)
         return
+    started, invocation = time.time(), LoadMeter(children=True).start()
+    # every process, and its training and generation threads (not set: PyTorch's), run on OMP_NUM_THREADS=threads
+    threads = thread_roles(options.threads, options.threads, options.threads)
+    wait = omp_wait_policy(child_environment())  # the processes' environment
     meta = {k: getattr(options, k) for k in ("model", "lora", "batch", "max_completion_length", "steps", "warmup")}
     if options.processes > 1:
         meta["processes"] = options.processes
@@ -271,6 +277,7 @@ def main() -> None:
             env["CUDA_VISIBLE_DEVICES"] = "0"
         print(f"[backends] {backend} ...", flush=True)
         load = os.getloadavg()[0]
+        row_started, meter = time.time(), LoadMeter(children=True).start()
         launcher = [sys.executable]
         if options.processes > 1:  # each process runs `python -m benchmarks.backends`
             launcher += ["-m", "accelerate.commands.launch", "--config_file", _launch_config(options)]
@@ -287,16 +294,22 @@ def main() -> None:
         lines = [line for line in out.stdout.splitlines() if line.startswith("A3PO_RESULT ")]
         if out.returncode or not lines:
             raise SystemExit(f"{backend} failed ({out.returncode}):\n{out.stderr[-4000:]}")
-        results.append(json.loads(lines[-1].removeprefix("A3PO_RESULT ")))
+        row = json.loads(lines[-1].removeprefix("A3PO_RESULT "))
+        row["provenance"] = provenance(row_started, threads, meter.stop()["foreign_cpu_frac"], wait_policy=wait)
+        results.append(row)
         print(f"[backends] {backend}: {json.dumps(results[-1])}", flush=True)
     # keep the other backends' rows of an earlier run of this shape
     if options.out and Path(options.out).exists() and options.repeats == 1:
         earlier = json.loads(Path(options.out).read_text())
-        if {k: v for k, v in earlier["meta"].items() if k != "load"} == {k: v for k, v in meta.items() if k != "load"}:
+        mine = ("load", "provenance")  # this invocation's own; each row kept carries its own block
+        if {k: v for k, v in earlier["meta"].items() if k not in mine} == {
+            k: v for k, v in meta.items() if k not in mine
+        }:
             done = {r["backend"] for r in results}
             results = [r for r in earlier["results"] if r["backend"] not in done] + results
             results.sort(key=lambda r: BACKENDS.index(r["backend"]))
             meta["load"] = f"{earlier['meta']['load']} / {meta['load']}"
+    meta["provenance"] = provenance(started, threads, invocation.stop()["foreign_cpu_frac"], wait_policy=wait)
     table = _table(results, meta)
     print(table)
     if options.out:

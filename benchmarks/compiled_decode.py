@@ -16,10 +16,12 @@ the same batch (``--rows`` copies of one prompt, ``--new-tokens`` tokens each, n
 cache, the forward compiled by ``generate``: inductor on CPU, CUDA graphs on a GPU; the first call, which compiles,
 timed apart). Per path, ``--reps`` timed calls after one untimed: the calling thread's CPU seconds
 (``time.thread_time``, one intra-op thread: the ops run on it) and wall seconds per generated token (per batch step),
-medians and ranges. The compiled path's greedy tokens and log-probs are compared with the eager path's (agreement and
-the largest log-prob difference). The rule is applied and written: ``keep`` or ``drop``.
+each repetition kept, with their medians and ranges. The compiled path's greedy tokens and log-probs are compared
+with the eager path's (agreement and the largest log-prob difference). The rule is applied and written: ``keep`` or
+``drop``.
 
-Outputs: ``<out>/compiled-decode.json`` and ``.md``. CPU time is robust to other processes on the machine (a thread
+Outputs: ``<out>/compiled-decode.json`` (with its provenance block: when, at which commit, where, the load) and
+``.md``. CPU time is robust to other processes on the machine (a thread
 waiting for a core is not running); wall time is not, and the machine's load is recorded beside it.
 """
 
@@ -33,6 +35,9 @@ import time
 from pathlib import Path
 
 import torch
+
+from benchmarks.common.machine import LoadMeter
+from benchmarks.common.provenance import provenance, thread_roles
 
 HERE = Path(__file__).resolve().parent
 #: The rule's bar on the launch-bound proxy: compiled CPU time per token at most 1/2 of eager's.
@@ -125,8 +130,9 @@ def measure_model(name: str, options) -> dict:
         outputs[path] = timed_generate(model, batch, scored, options.device)[0]
         paths[path] = {
             "first_call": first,
-            "cpu_per_token": {"median": statistics.median(cpus), "min": min(cpus), "max": max(cpus)},
-            "wall_per_token": {"median": statistics.median(walls), "min": min(walls), "max": max(walls)},
+            # every repetition kept ("all", in the order they ran), and their median and range
+            "cpu_per_token": {"median": statistics.median(cpus), "min": min(cpus), "max": max(cpus), "all": cpus},
+            "wall_per_token": {"median": statistics.median(walls), "min": min(walls), "max": max(walls), "all": walls},
         }
         print(f"[compiled_decode] {name} {path}: {paths[path]['cpu_per_token']['median'] * 1e3:.3f} ms CPU/token "
               f"(first call {first['wall_seconds']:.1f} s)", flush=True)  # fmt: skip
@@ -224,7 +230,10 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=str(HERE / "results"))
     options = parser.parse_args(argv)
     torch.set_num_threads(options.threads)
+    started, meter = time.time(), LoadMeter().start()
     results = {name: measure_model(name, options) for name in options.models.split(",")}
+    # every path runs on the calling thread, on --threads intra-op threads: no training or generation thread
+    block = provenance(started, thread_roles(process=options.threads), meter.stop()["foreign_cpu_frac"])
     report = {
         "device": options.device,
         "threads": options.threads,
@@ -234,6 +243,7 @@ def main(argv=None) -> None:
         "load_average": list(os.getloadavg()),
         "results": results,
         "decision": decide(results),
+        "provenance": block,
     }
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)

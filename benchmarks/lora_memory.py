@@ -16,10 +16,13 @@ import argparse
 import gc
 import json
 import os
+import time
 
 import torch
 
 from benchmarks.common.internals import generator_memory, hf_generator
+from benchmarks.common.machine import LoadMeter
+from benchmarks.common.provenance import provenance, thread_roles
 
 
 def rss_bytes() -> int:
@@ -73,6 +76,7 @@ def main(argv=None) -> list[dict]:
 
     from peft import LoraConfig, get_peft_model
 
+    started, meter = time.time(), LoadMeter().start()
     results = [measure(load_model(args.model), "full fine-tuning")]
     gc.collect()
     lora_config = LoraConfig(
@@ -93,9 +97,11 @@ def main(argv=None) -> list[dict]:
         )
     full, lora = results
     print(f"LoRA generator extra memory: {lora['extra_bytes'] / full['extra_bytes']:.2%} of a full copy's.")
+    # memory, not time, is measured, in this process's thread alone
+    block = provenance(started, thread_roles(process=torch.get_num_threads()), meter.stop()["foreign_cpu_frac"])
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"model": args.model, "results": results}, f, indent=2)
+            json.dump({"model": args.model, "results": results, "provenance": block}, f, indent=2)
     return results
 
 

@@ -39,6 +39,7 @@ import numpy as np
 from benchmarks.approximation import approximation_trainer, parse_config
 from benchmarks.common.anchor_estimators import TOKEN_FIELDS, encode_tokens
 from benchmarks.common.machine import kernel_info
+from benchmarks.common.provenance import run_settings, trainer_threads
 from benchmarks.common.runner import Cell, RunStore, run_study, study_parser
 
 HERE = Path(__file__).resolve().parent
@@ -139,11 +140,14 @@ class ExactAnchorRecorder:
 
 
 def _run_one(options, name: str, seed: int) -> dict:
+    import torch
+
     if name.startswith("map-"):
         trainer, settings = _map_trainer(options, name, seed)
     else:
         trainer, settings = _smollm2_trainer(options, name, seed)
     recorder = ExactAnchorRecorder(trainer)
+    process_threads = torch.get_num_threads()
     trainer.train()
     tokens = recorder.tokens()
     steps = [
@@ -160,6 +164,7 @@ def _run_one(options, name: str, seed: int) -> dict:
         "steps": steps,
         "tokens_npz": encode_tokens(tokens),
         "kernels": kernel_info(),
+        "provenance": run_settings(trainer_threads(trainer.args, process_threads)),  # the runner adds the rest
     }
 
 

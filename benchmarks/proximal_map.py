@@ -52,6 +52,7 @@ from benchmarks.common.intervals import (
     t_test_p,
 )
 from benchmarks.common.machine import kernel_info
+from benchmarks.common.provenance import run_settings, trainer_threads
 from benchmarks.common.runner import RunStore, plan, run_study, study_parser
 
 HERE = Path(__file__).resolve().parent
@@ -171,6 +172,7 @@ def map_trainer(
 
 
 def _run_one(options, name: str, seed: int) -> dict:
+    import torch
     from transformers import TrainerCallback
 
     method, staleness, steps_per_batch, rate = parse_config(name)
@@ -190,6 +192,7 @@ def _run_one(options, name: str, seed: int) -> dict:
                 evaluations[state.global_step] = _evaluate(trainer, tokenizer, reward, options, seed)
 
     trainer.add_callback(Evaluate())
+    process_threads = torch.get_num_threads()
     started = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - started
@@ -213,6 +216,7 @@ def _run_one(options, name: str, seed: int) -> dict:
         "train_seconds": seconds,
         "kernels": kernel_info(),
         "logged": logged,
+        "provenance": run_settings(trainer_threads(args, process_threads)),  # the runner adds the rest
     }
 
 

@@ -75,6 +75,9 @@ def regenerate(results: Path = RESULTS, documents: Sequence[Path] = DOCUMENTS) -
     """Regenerate every summary and table under ``results`` (the committed folder, or a copy of it), then the marked
     blocks of ``documents`` from them; returns what was regenerated, relative to ``results`` (a document: its
     name)."""
+    from benchmarks.common.provenance import check_records
+
+    check_records(results)  # every record says where and when it ran, or nothing is regenerated
     from benchmarks import dynamic_sampling, in_flight, proximal_map, staleness, time_to_accuracy
 
     done = []

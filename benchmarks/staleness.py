@@ -266,6 +266,7 @@ def _run_one(options, name: str, seed: int) -> dict:
     from a3po_trl import AsyncA3POConfig
     from a3po_trl.tasks.word_choice import make_word_choice_splits
     from benchmarks.common.machine import LoadMeter, kernel_info
+    from benchmarks.common.provenance import run_settings, trainer_threads
 
     method, staleness, steps_per_batch = _parse_config(name)
     train, held_out = make_word_choice_splits(num_train=1000, num_held_out=options.held_out, seed=0)
@@ -301,6 +302,7 @@ def _run_one(options, name: str, seed: int) -> dict:
                 print(f"[staleness] {name}@{seed} step {state.global_step}: {seconds / 60:.1f} min", flush=True)
 
     trainer.add_callback(SnapshotEvery())
+    process_threads = torch.get_num_threads()
     meter = LoadMeter().start()  # what other processes took of the machine while this one trained
     start = time.perf_counter()
     trainer.train()
@@ -345,6 +347,8 @@ def _run_one(options, name: str, seed: int) -> dict:
         "torch_threads": torch.get_num_threads(),
         "steps_per_batch": steps_per_batch,
         "kernels": kernel_info(),  # what decides rounding: runs repeat each other bit for bit only where it agrees
+        # the threads it set, for its provenance block (the runner adds when, where and the load)
+        "provenance": run_settings(trainer_threads(args, process_threads)),
     }
 
 

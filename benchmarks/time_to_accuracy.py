@@ -118,6 +118,7 @@ def _run_one(options, name: str, seed: int, overrides: dict | None = None, run_n
 
     from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
     from a3po_trl.tasks import evaluate_accuracy
+    from benchmarks.common.provenance import run_settings, thread_roles, trainer_threads
 
     run_name = run_name or name
     settings = _settings(options)
@@ -165,6 +166,7 @@ def _run_one(options, name: str, seed: int, overrides: dict | None = None, run_n
     before = accuracy(held_out)
     curve = [{"step": 0, "seconds": 0.0, "accuracy": accuracy(subset)["accuracy"]}]
     trainer.add_callback(SnapshotEvery())
+    process_threads = torch.get_num_threads()
     start = time.perf_counter()
     trainer.train()
     total = time.perf_counter() - start - clock["snapshot"]
@@ -179,6 +181,10 @@ def _run_one(options, name: str, seed: int, overrides: dict | None = None, run_n
         print(f"[tta] {run_name}@{seed} step {step}: {result['accuracy']:.1%} on the subset", flush=True)
     steps = [h["step_time"] for h in trainer.state.log_history if "step_time" in h]
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+    if not lengths:  # s/step follows the completions' length: a record without it cannot be compared
+        raise RuntimeError(f"{run_name}@{seed}: the trainer logged no completions/mean_length")
+    # GRPOTrainer: one thread (the process's) generates and trains
+    threads = thread_roles(process=process_threads) if name == "trl" else trainer_threads(args, process_threads)
     return {
         "config": run_name,
         "seed": seed,
@@ -190,7 +196,7 @@ def _run_one(options, name: str, seed: int, overrides: dict | None = None, run_n
         "curve": curve,
         "train_seconds": total,
         "seconds_per_step": statistics.median(steps) if steps else total / args.max_steps,
-        "completion_mean_length": statistics.fmean(lengths) if lengths else None,  # s/step follows it
+        "completion_mean_length": statistics.fmean(lengths),  # s/step follows it; every configuration logs it
         # the trainer's logged metrics per step (rewards, clip ratios, importance weights, staleness, timings)
         "training_log": [
             {k: round(v, 6) for k, v in h.items() if isinstance(v, (int, float)) and k not in ("epoch", "step")}
@@ -198,6 +204,8 @@ def _run_one(options, name: str, seed: int, overrides: dict | None = None, run_n
             for h in trainer.state.log_history
             if "step" in h and "loss" in h
         ],
+        # the threads it set, for its provenance block (the runner adds when, where and the load)
+        "provenance": run_settings(threads),
     }
 
 

@@ -24,6 +24,8 @@ import statistics
 import tempfile
 import time
 
+from benchmarks.common.machine import LoadMeter
+from benchmarks.common.provenance import provenance, thread_roles
 from benchmarks.common.tiny import tiny_trainer
 
 
@@ -64,7 +66,10 @@ def run(timeline: bool, steps: int) -> tuple[float, int]:
 
 
 def measure(calls: int, trace_spans: int, steps: int, pairs: int) -> dict:
-    """The three measurements (see the module's docstring)."""
+    """The three measurements (see the module's docstring), with their provenance block."""
+    import torch
+
+    started, meter, process = time.time(), LoadMeter().start(), torch.get_num_threads()
     results = {
         "load_average_before": os.getloadavg(),
         "record_seconds_on": per_span_seconds(True, calls),
@@ -86,6 +91,9 @@ def measure(calls: int, trace_spans: int, steps: int, pairs: int) -> dict:
     )
     results["recording_seconds_per_step"] = results["spans_per_step"] * results["record_seconds_on"]
     results["recording_fraction_of_step"] = results["recording_seconds_per_step"] / results["step_time_off"]
+    # the trainer's training and generation threads are left at PyTorch's setting: the process's
+    threads = thread_roles(process, process, process)
+    results["provenance"] = provenance(started, threads, meter.stop()["foreign_cpu_frac"])
     return results
 
 

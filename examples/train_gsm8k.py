@@ -156,6 +156,7 @@ def _accuracy(trainer, dataset, demo_args, training_args, label: str) -> dict:
 def main(demo_args: DemoArguments, training_args: AsyncA3POConfig, model_args: ModelConfig) -> dict:
     """Evaluate, train, evaluate, save; returns the summary written to ``results.json`` (main process)."""
     started, started_cpu = time.perf_counter(), time.process_time()
+    run_start = _run_start()
     model_path = resolve_model_path(model_args.model_name_or_path)
     model_init_kwargs = dict(
         revision=model_args.model_revision,
@@ -223,6 +224,9 @@ def main(demo_args: DemoArguments, training_args: AsyncA3POConfig, model_args: M
             evaluations, trainer, training_args, model_args, demo_args, started, started_cpu, train_seconds
         )
         summary["plot"], summary["model_dir"], summary["metrics"] = str(plot_path), str(output_dir), str(metrics_path)
+        block = _provenance_block(run_start, training_args)
+        if block is not None:  # where and when it ran, as every benchmark record says it
+            summary["provenance"] = block
         if training_args.timeline:
             timeline_path = output_dir / demo_args.timeline_file
             summary["timeline"] = trainer.save_timeline(str(timeline_path), last_steps=demo_args.timeline_steps)
@@ -231,6 +235,34 @@ def main(demo_args: DemoArguments, training_args: AsyncA3POConfig, model_args: M
     accelerator.wait_for_everyone()
     trainer.end()
     return summary
+
+
+def _run_start():
+    """``(start time, load meter, intra-op threads)`` for the summary's provenance block where this checkout's
+    ``benchmarks`` package is importable (from the repository root: ``PYTHONPATH=. python examples/train_gsm8k.py``),
+    else None."""
+    try:
+        from benchmarks.common.machine import LoadMeter
+    except ImportError:
+        return None
+    import torch
+
+    return time.time(), LoadMeter().start(), torch.get_num_threads()
+
+
+def _provenance_block(run_start, training_args) -> dict | None:
+    """The provenance block of ``benchmarks/common/provenance.py`` (what the committed demo record carries): the
+    start, commit, machine, other processes' share of it (the whole run) and the threads set; None where
+    ``benchmarks`` is not importable (:func:`_run_start`)."""
+    if run_start is None:
+        return None
+    from benchmarks.common.provenance import provenance, thread_roles
+
+    started, meter, process = run_start
+    threads = thread_roles(  # a thread without its own setting runs on PyTorch's (the process's)
+        training_args.training_num_threads or process, training_args.generation_num_threads or process, process
+    )
+    return provenance(started, threads, meter.stop()["foreign_cpu_frac"])
 
 
 def _record(result: dict) -> dict:

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import IO
 
 from .machine import LoadMeter, load_average, machine_info, wait_for_quiet
+from .provenance import git_head, provenance
 
 #: The repository root: what the subprocesses find ``benchmarks`` (and ``a3po_trl``) in.
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,6 +59,8 @@ RUN_FIELDS = {
     "discarded_attempts": "earlier attempts run again because the machine was busy (their load and seconds)",
     "git_commit": "the repository's commit when it ran, '-dirty' appended where tracked files differed from it",
     "command": "the command that ran it (the study's module, its arguments and the cell)",
+    "provenance": "where and when it ran (benchmarks/common/provenance.py): from these fields and the threads and "
+    "OMP_WAIT_POLICY the run reported as its own 'provenance' (provenance.run_settings)",
 }
 
 
@@ -273,6 +276,7 @@ def run_missing(
             print(f"[{label}] {names} ({index} of {len(launches)} now, attempt {attempt + 1}) ...", flush=True)
             log_path = None if log_dir is None else Path(log_dir) / f"{launch[0]}.log"
             records, error, fields = _launch(command(launch), child_environment(env), options, log_path)
+            launched = fields.pop("_started"), fields.pop("_commit")  # the provenance block's, kept apart
             foreign = fields["foreign_cpu_frac_run"]
             budget = options.budget_minutes
             over_budget = budget is not None and time.perf_counter() - began > 60 * budget
@@ -282,7 +286,9 @@ def run_missing(
             discarded.append({"foreign_cpu_frac_run": foreign, "run_seconds": fields["run_seconds"]})
         for cell in launch:
             if cell in records:
-                store.save(cell, {**records[cell], **fields, "discarded_attempts": discarded})
+                record = {**records[cell], **fields, "discarded_attempts": discarded}
+                record["provenance"] = _block(records[cell].get("provenance"), fields, *launched)
+                store.save(cell, record)
                 print(f"[{label}] {cell} done in {fields['run_seconds'] / 60:.1f} min", flush=True)
             else:
                 failures[cell] = error or "the subprocess reported no record for it"
@@ -294,8 +300,11 @@ def _launch(command, env, options, log_path: Path | None) -> tuple[dict[Cell, di
     """Run one subprocess: its records by cell, why some are missing (None when it exited cleanly), and the run
     fields (:data:`RUN_FIELDS`, but the discarded attempts)."""
     quiet = wait_for_quiet(options.quiet_wait, options.quiet_threshold)
-    fields = {"started_at": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), **quiet}
-    fields["git_commit"], fields["command"] = git_commit(), shlex.join(["python", *command[1:]])
+    started = time.time()
+    fields = {"started_at": time.strftime("%Y-%m-%d %H:%M", time.gmtime(started)), **quiet}
+    commit = git_head(ROOT)  # the record's git_commit: '-dirty' appended where tracked files differed
+    fields["git_commit"] = None if commit[0] is None else commit[0] + ("-dirty" if commit[1] else "")
+    fields["command"] = shlex.join(["python", *command[1:]])
     fields["load_average_start"] = load_average()
     meter, began = LoadMeter(children=True).start(), time.perf_counter()
     log = open(log_path, "w") if log_path is not None else None
@@ -333,6 +342,7 @@ def _launch(command, env, options, log_path: Path | None) -> tuple[dict[Cell, di
         foreign_cpu_frac_run=meter.stop()["foreign_cpu_frac"],
         machine=machine_info(),
     )
+    fields["_started"], fields["_commit"] = started, commit
     error = None
     if status != 0:
         why = f"timed out after {options.run_timeout} s" if timed_out.is_set() else f"exited with status {status}"
@@ -341,17 +351,19 @@ def _launch(command, env, options, log_path: Path | None) -> tuple[dict[Cell, di
     return records, error, fields
 
 
-def git_commit() -> str | None:
-    """The repository's commit, ``-dirty`` appended where tracked files differ from it (None outside a checkout)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=30)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                               text=True, timeout=30)  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if head.returncode != 0:
-        return None
-    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+def _block(reported: dict | None, fields: dict, started: float, commit: tuple) -> dict:
+    """A run's provenance block: the launch's ``started`` time and ``commit``, its machine and foreign CPU
+    (``fields``), and the threads and ``OMP_WAIT_POLICY`` the run ``reported``
+    (:func:`~benchmarks.common.provenance.run_settings`; a run that reported none has its threads unrecorded)."""
+    reported = reported or {}
+    return provenance(
+        started,
+        reported.get("threads"),
+        fields["foreign_cpu_frac_run"],
+        wait_policy=reported.get("omp_wait_policy"),
+        commit=commit,
+        host=fields["machine"],
+    )
 
 
 def _echo(line: str, log: IO[str] | None) -> None:

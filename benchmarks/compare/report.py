@@ -10,6 +10,7 @@ from collections import defaultdict
 
 from benchmarks.common.internals import GENERATION_THREAD_FRAMES, PROFILE_ACTIVITIES, TRAINING_LOOP_FRAME
 from benchmarks.common.machine import machine_info
+from benchmarks.common.provenance import provenance, thread_roles
 from benchmarks.common.runner import Cell, RunStore
 
 from .analysis import evaluate_targets, pipeline_analysis, reward_comparison
@@ -65,6 +66,7 @@ def build_report(records, options, common, started, finished) -> dict:
             summary["profile_file"] = os.path.relpath(record["profile_file"], options.out)
             summary["profile"] = profile_summary(record["profile_file"])
         summary["discarded_attempts"] = record.get("discarded_attempts", [])
+        summary["provenance"] = record.get("provenance")  # where and when this run ran
         summary["reused_from"] = record.get("reused_from")
         summaries.append(summary)
     configs = aggregate(summaries)
@@ -126,8 +128,31 @@ def build_report(records, options, common, started, finished) -> dict:
         if trl and c["step_time_median"]
     }
     report["targets"] = evaluate_targets(report)
+    report["meta"]["provenance"] = report_provenance(started, summaries, report["meta"], env)
     report["records"] = [{k: v for k, v in r.items() if k != "env"} for r in records]  # raw, for --merge-from
     return report
+
+
+def report_provenance(started: str, runs: list[dict], meta: dict, env: dict) -> dict:
+    """The report's own provenance block (each run has its own): the invocation's start (``started``, this machine's
+    local time) and commit, this machine, the largest share of the machine other processes took during any of its
+    ``runs``, and the threads of ``meta``: training and generation those of the asynchronous trainer, process those
+    of TRL's GRPOTrainer (the baseline)."""
+    import datetime
+
+    foreign = [run["foreign_cpu_frac"] for run in runs if run.get("foreign_cpu_frac") is not None]
+    threads = meta["threads"]
+    block = provenance(
+        datetime.datetime.fromisoformat(started).astimezone(datetime.timezone.utc),
+        thread_roles(threads["a3po_training"], threads["a3po_generation"], threads["trl"]),
+        max(foreign) if foreign else None,
+        wait_policy=(env.get("env") or {}).get("OMP_WAIT_POLICY") or "unset",
+    )
+    block["notes"] = [
+        "foreign_cpu_frac: the largest of its runs'",
+        "threads: training and generation the asynchronous trainer's, process TRL GRPOTrainer's",
+    ]
+    return block
 
 
 def ordered_records(records: list[dict]) -> list[dict]:

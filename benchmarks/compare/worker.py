@@ -14,6 +14,7 @@ import time
 
 from benchmarks.common import internals
 from benchmarks.common.machine import LoadMeter, load_average
+from benchmarks.common.provenance import run_settings, thread_roles
 
 from .metrics import per_step_series
 from .microbench import run_microbench
@@ -73,6 +74,12 @@ def run_training_config(config, common) -> dict:
     threads = config.get("threads", {})
     if not cuda and threads.get("process"):
         torch.set_num_threads(threads["process"])
+    process = torch.get_num_threads()
+    roles = thread_roles(  # a thread without its own setting runs on the process's (PyTorch's) setting
+        training=(threads.get("training") or process) if config["kind"] != "trl" else None,
+        generation=(threads.get("generation") or process) if config["kind"] == "a3po" else None,
+        process=process,
+    )
     with tempfile.TemporaryDirectory(prefix="a3po-compare-") as output_dir:
         timer = step_timer_callback()
         trainer, model_name = make_trainer(config, common, output_dir, callbacks=[timer])
@@ -99,6 +106,7 @@ def run_training_config(config, common) -> dict:
             "series": series,
             "global_step": trainer.state.global_step,
             "torch_threads_after": torch.get_num_threads(),
+            "provenance": run_settings(roles),  # run_cell moves it up, where the runner completes it
             **load,
             "loadavg_end": load_average(),
         }
@@ -137,6 +145,7 @@ def run_cell(config, common) -> dict:
         record["result"] = run_microbench(config, common)
     else:
         record["result"] = run_training_config(config, common)
+        record["provenance"] = record["result"].pop("provenance")  # the runner adds when, where and the load
     rss, method = _peak_rss_mb(common["isolation"])
     record["peak_rss_mb"], record["peak_rss_method"] = round(rss, 1), method
     record["worker_seconds"] = time.perf_counter() - start

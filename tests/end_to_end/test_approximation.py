@@ -9,6 +9,8 @@ import sys
 import pytest
 from tiny import make_model
 
+from benchmarks.common.provenance import validate
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -23,6 +25,7 @@ def test_quick_approximation_run_records_the_error_by_anchor_age(tokenizer, tmp_
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     subprocess.run(command, check=True, timeout=900, env=env, capture_output=True, text=True, cwd=ROOT)
     k4 = json.loads((out / "runs" / "k4-lrhi@42.json").read_text())
+    assert validate(k4["provenance"], "k4-lrhi@42")["unrecorded"] == []  # when, where, each thread's setting
     assert [s["a3po/anchor_age"] for s in k4["steps"]] == [0, 1, 2, 3] * 2  # each batch trained over 4 steps
     # the first batch is fresh; the second was generated one version before its first step
     assert [s["a3po/staleness_mean"] for s in k4["steps"]] == [0, 1, 2, 3, 1, 2, 3, 4]

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 from a3po_trl.generation.weights.store import STAGING_ALIGNMENT
+from benchmarks.common.provenance import validate
 from benchmarks.compare import cli as compare
 from benchmarks.compare.plan import build_plan, common_settings
 
@@ -111,7 +112,12 @@ def check_training_config(name, config, report):
 
 
 def check_runs(report):
+    meta = validate(report["meta"]["provenance"], "the report")  # where and when the invocation ran
+    assert meta["unrecorded"] == [] and meta["threads"]["process"] == report["meta"]["threads"]["trl"]
     for run in report["runs"]:
+        block = validate(run["provenance"], run["run_id"])  # each run's own, with the threads it set
+        assert block["unrecorded"] == [] and block["threads"]["process"] == run["threads"]["process"], run["run_id"]
+        assert (block["threads"]["generation"] is None) is (run["kind"] != "a3po"), run["run_id"]
         assert run["overlap_warning"] in (None, False) or run["overlap_warning"]["steps"], run["run_id"]
         assert len(run["step_times"]) == run["steps_done"] == report["meta"]["steps"], run["run_id"]
         assert all(positive(t) for t in run["step_times"]), run["run_id"]
@@ -217,7 +223,10 @@ def test_lora_memory_report_on_the_tiny_model(tmp_path):
         cwd=ROOT,
     )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    full, lora = json.loads(out.read_text())["results"]
+    report = json.loads(out.read_text())
+    full, lora = report["results"]
+    block = validate(report["provenance"], "lora_memory.json")
+    assert block["unrecorded"] == [] and block["threads"]["training"] is None and block["threads"]["process"] >= 1
     assert full["shared_parameters"] == 0 and full["copied_parameters"] == full["model_parameters"]
     assert lora["shared_parameters"] == full["model_parameters"]  # the whole base is the trainer's own tensors
     assert 0 < lora["copied_parameters"] < full["copied_parameters"] // 10

@@ -11,6 +11,8 @@ import math
 import os
 import re
 
+from benchmarks.common.provenance import validate
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCHMARKS = os.path.join(ROOT, "benchmarks")
 SMOKE_TESTS = {
@@ -91,6 +93,7 @@ def test_timeline_overhead_smoke_run_measures_everything(tmp_path):
         assert math.isfinite(results[key]) and results[key] > 0, key
     assert results["spans_per_step"] >= 8  # a step, its parts, the batch and its parts, the publication
     assert len(results["step_times_on"]) == len(results["step_times_off"]) == 1
+    assert validate(results["provenance"], "overhead.json")["unrecorded"] == []
 
 
 def test_task_probe_runs_on_a_tiny_model(tmp_path, capsys):
@@ -143,3 +146,5 @@ def test_compiled_decode_measures_each_path(tmp_path):
     assert tiny["token_agreement"] == 1.0 and tiny["max_logp_difference"] < 1e-4  # fp32: the same greedy tokens
     assert report["decision"]["keep"] is (tiny["cpu_ratio"] >= 2.0)
     assert "**Decision**" in (tmp_path / "compiled-decode.md").read_text()
+    block = validate(report["provenance"], "compiled-decode.json")  # when, at which commit, where, the load
+    assert block["unrecorded"] == [] and all(len(p["cpu_per_token"]["all"]) == 1 for p in tiny["paths"].values())

@@ -12,6 +12,7 @@ import pytest
 from tiny import make_model
 
 from benchmarks.common.anchor_estimators import TOKEN_FIELDS, decode_tokens
+from benchmarks.common.provenance import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -24,6 +25,7 @@ def test_quick_oracle_records_every_token_and_decides(tmp_path):
     command += ["--configs", "map-s4-k4-lrhi,map-s2-k1-lrhi", "--seeds", "0,1"]
     subprocess.run(command, check=True, timeout=900, env=ENV, capture_output=True, text=True, cwd=ROOT)
     record = json.loads((out / "runs" / "map-s4-k4-lrhi@0.json").read_text())
+    assert validate(record["provenance"], "map-s4-k4-lrhi@0")["unrecorded"] == []  # when, where, the threads
     assert record["prox_logp_method"] == "loglinear" and record["steps_per_batch"] == 4
     tokens = decode_tokens(record["tokens_npz"])
     assert set(tokens) == set(TOKEN_FIELDS) and record["tokens"] == tokens["step"].size > 0

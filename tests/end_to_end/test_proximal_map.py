@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from benchmarks.common.provenance import validate
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -43,6 +45,8 @@ def test_quick_map_records_the_schedule_summarizes_with_intervals_and_resumes(tm
         assert run["drift_per_step"] > 0 and 0 <= run["clipped_frac"] <= 1
         assert len(run["load_average_start"]) == 3 and run["machine"]["cpu_count"] >= 1
         assert run["kernels"]["cpu_capability"] and run["kernels"]["torch"].startswith("2.")
+        block = validate(run["provenance"], name)  # the threads it set, with the runner's when and where
+        assert block["unrecorded"] == [] and block["threads"] == {"training": 1, "generation": 1, "process": 1}
     # the two methods start from the same weights on the same seed: the same first evaluation
     assert runs["loglinear-s2-k4-lrhi@0"]["evaluations"]["0"] == runs["recompute-s2-k4-lrhi@0"]["evaluations"]["0"]
     summary = (out / "summary.md").read_text()

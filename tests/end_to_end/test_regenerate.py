@@ -169,7 +169,9 @@ def test_a_rerun_in_progress_does_not_replace_the_summary_it_reruns(tmp_path):
     (results / "proximal_map" / "runs").mkdir(parents=True)
     shutil.copy(regenerate.RESULTS / "proximal_map" / "summary.json", results / "proximal_map")
     committed = (results / "proximal_map" / "summary.json").read_text()
-    (results / "proximal_map" / "runs" / "loglinear-s0-k1-lrhi@0.json").write_text("{}")  # one run of 768
+    shutil.copy(
+        regenerate.RESULTS / "proximal_map" / "runs" / "loglinear-s0-k1-lrhi@0.json", results / "proximal_map" / "runs"
+    )  # one run of 768 (a record with its provenance block)
     made = regenerate.regenerate(results, documents=())
     assert "proximal_map/summary.json" not in made and "proximal_map/families.md" in made
     assert (results / "proximal_map" / "summary.json").read_text() == committed

@@ -13,6 +13,7 @@ from peft import LoraConfig, get_peft_model
 from tiny import make_model
 
 from benchmarks import staleness as study
+from benchmarks.common.provenance import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -36,6 +37,8 @@ def test_quick_study_records_every_field_summarizes_and_resumes(tokenizer, tmp_p
         method, staleness = name.split("@")[0].rsplit("-s", 1)
         assert (run["method"], run["staleness"], run["seed"], run["steps"]) == (method, int(staleness), 1, 4)
         assert run["settings"]["reproducible_generation"] is True and run["settings"]["learning_rate"] == 1e-3
+        block = validate(run["provenance"], name)  # the threads it set, with the runner's when and where
+        assert block["unrecorded"] == [] and block["threads"]["training"] == run["settings"]["training_num_threads"]
         assert (run["settings"]["eval_every"], run["settings"]["held_out"], run["settings"]["kl_samples"]) == (2, 4, 1)
         # held-out reward and KL at steps 0, 2, 4, from adapter snapshots: the initial policy has KL 0 to itself
         assert [point["step"] for point in run["curve"]] == [0, 2, 4]

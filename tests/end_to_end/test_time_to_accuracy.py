@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from benchmarks.common.provenance import validate
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -29,6 +31,10 @@ def test_quick_run_summarizes_and_skips_finished_runs(tmp_path):
         assert len(set(norms)) == len(norms), norms
         assert run["curve"][-1]["accuracy"] == run["after"]
         assert run["run_seconds"] > run["train_seconds"] > 0 and len(run["load_average_end"]) == 3  # the runner's
+        assert run["completion_mean_length"] > 0  # every configuration's, TRL's too: s/step follows it
+        block = validate(run["provenance"], run["config"])  # where and when it ran, each thread's setting
+        assert block["unrecorded"] == [] and block["threads"]["process"] >= 1
+        assert (block["threads"]["training"] is None) is (run["config"] == "trl")
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["configs"]) == {"trl", "loglinear-s1"} and summary["missing"] == []
     assert (out / "accuracy_vs_time.png").stat().st_size > 0

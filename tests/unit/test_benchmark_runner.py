@@ -7,10 +7,11 @@ import sys
 
 import pytest
 
+from benchmarks.common.provenance import validate
 from benchmarks.common.runner import RUN_FIELDS, Cell, RunStore, add_runner_arguments, plan, run_missing
 
 #: The stand-in study's subprocess: a cell ``ok`` reports its seed and process id, ``raise`` raises, ``silent`` exits
-#: without a word, ``hang`` sleeps.
+#: without a word, ``hang`` sleeps, ``threads`` reports the threads it set.
 CHILD = """
 import os, sys, time
 from benchmarks.common.runner import serve_cells
@@ -23,6 +24,10 @@ def run(cell):
         os._exit(3)
     if cell.config == "hang":
         time.sleep(60)
+    if cell.config == "threads":  # a study's run reports the threads it set, for its provenance block
+        from benchmarks.common.provenance import run_settings, thread_roles
+
+        return {"provenance": run_settings(thread_roles(training=1, generation=1, process=2))}
     return {"seed_twice": 2 * cell.seed, "pid": os.getpid()}
 
 serve_cells(sys.argv[1], run)
@@ -79,6 +84,21 @@ def test_runs_each_missing_cell_in_its_own_subprocess_and_keeps_its_record_with_
         command = record["command"]
         assert command.startswith("python -c ") and command.endswith(f" ok@{record['seed_twice'] // 2}")
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["ok@1.json", "ok@2.json"]  # nothing half-made
+
+
+def test_every_record_gets_its_provenance_block_with_the_threads_its_run_reported(tmp_path):
+    store = RunStore(tmp_path / "runs")
+    ok, threads = Cell("ok", 1), Cell("threads", 1)
+    assert run([ok, threads], store)[1] == {}
+    reported = validate(store.load(threads)["provenance"], "threads@1")
+    assert reported["threads"] == {"training": 1, "generation": 1, "process": 2} and reported["unrecorded"] == []
+    record = store.load(ok)
+    block = validate(record["provenance"], "ok@1")
+    assert block["started"].startswith(record["started_at"].replace(" ", "T"))
+    assert block["commit"] == record["git_commit"].removesuffix("-dirty") and block["host"] == record["machine"]
+    assert block["foreign_cpu_frac"] == record["foreign_cpu_frac_run"] and block["omp_wait_policy"]
+    # a run that reported no threads has them unrecorded, not taken for absent
+    assert block["unrecorded"] == ["threads.training", "threads.generation", "threads.process"]
 
 
 def test_resumes_runs_only_what_is_missing_and_at_most_max_runs(tmp_path):
