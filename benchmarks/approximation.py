@@ -124,7 +124,7 @@ def _run_one(options, name: str, seed: int) -> dict:
         for h in trainer.state.log_history
         if "step" in h and "loss" in h
     ]
-    threads = run_settings(trainer_threads(trainer.args, process_threads))  # the runner adds the rest
+    threads = run_settings(trainer_threads(trainer, process_threads))  # the runner adds the rest
     return {"config": name, "seed": seed, **settings, "steps": steps, "kernels": kernel_info(), "provenance": threads}
 
 

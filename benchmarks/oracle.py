@@ -164,7 +164,7 @@ def _run_one(options, name: str, seed: int) -> dict:
         "steps": steps,
         "tokens_npz": encode_tokens(tokens),
         "kernels": kernel_info(),
-        "provenance": run_settings(trainer_threads(trainer.args, process_threads)),  # the runner adds the rest
+        "provenance": run_settings(trainer_threads(trainer, process_threads)),  # the runner adds the rest
     }
 
 

@@ -216,7 +216,7 @@ def _run_one(options, name: str, seed: int) -> dict:
         "train_seconds": seconds,
         "kernels": kernel_info(),
         "logged": logged,
-        "provenance": run_settings(trainer_threads(args, process_threads)),  # the runner adds the rest
+        "provenance": run_settings(trainer_threads(trainer, process_threads)),  # the runner adds the rest
     }
 
 

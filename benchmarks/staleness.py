@@ -348,7 +348,7 @@ def _run_one(options, name: str, seed: int) -> dict:
         "steps_per_batch": steps_per_batch,
         "kernels": kernel_info(),  # what decides rounding: runs repeat each other bit for bit only where it agrees
         # the threads it set, for its provenance block (the runner adds when, where and the load)
-        "provenance": run_settings(trainer_threads(args, process_threads)),
+        "provenance": run_settings(trainer_threads(trainer, process_threads)),
     }
 
 

@@ -184,7 +184,7 @@ def _run_one(options, name: str, seed: int, overrides: dict | None = None, run_n
     if not lengths:  # s/step follows the completions' length: a record without it cannot be compared
         raise RuntimeError(f"{run_name}@{seed}: the trainer logged no completions/mean_length")
     # GRPOTrainer: one thread (the process's) generates and trains
-    threads = thread_roles(process=process_threads) if name == "trl" else trainer_threads(args, process_threads)
+    threads = thread_roles(process=process_threads) if name == "trl" else trainer_threads(trainer, process_threads)
     return {
         "config": run_name,
         "seed": seed,

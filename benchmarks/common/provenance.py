@@ -83,12 +83,20 @@ def thread_roles(training: int | None = None, generation: int | None = None, pro
     return {"training": training, "generation": generation, "process": process}
 
 
-def trainer_threads(args, process: int) -> dict:
-    """The ``threads`` of an ``AsyncA3POTrainer`` run with config ``args`` in a process with ``process`` intra-op
-    threads (``torch.get_num_threads()`` before ``train()``): its training and generation threads' as set, where
-    unset (None: PyTorch's setting) the process's."""
-    training, generation = args.training_num_threads, args.generation_num_threads
-    return thread_roles(training or process, generation or process, process)
+def trainer_threads(trainer, process: int) -> dict:
+    """The ``threads`` of an ``AsyncA3POTrainer`` run (the trainer after ``train()``, or its config) in a process
+    with ``process`` intra-op threads (``torch.get_num_threads()`` before ``train()``): the counts ``train()`` set
+    (``trainer.cpu_threads``: the user's, or the library's choice, ``a3po_trl/generation/cpu_threads.py``); from a
+    config, as set. An unset training count is the process's; an unset generation count inherits the training
+    thread's (PyTorch's process-wide count at the thread's first operation)."""
+    chosen = getattr(trainer, "cpu_threads", None)
+    if chosen is not None:
+        training, generation = chosen.training, chosen.generation
+    else:
+        args = getattr(trainer, "args", trainer)
+        training, generation = args.training_num_threads, args.generation_num_threads
+    training = training or process
+    return thread_roles(training, generation or training, process)
 
 
 def omp_wait_policy(env: dict | None = None) -> str:

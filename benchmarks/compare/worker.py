@@ -14,7 +14,7 @@ import time
 
 from benchmarks.common import internals
 from benchmarks.common.machine import LoadMeter, load_average
-from benchmarks.common.provenance import run_settings, thread_roles
+from benchmarks.common.provenance import run_settings, thread_roles, trainer_threads
 
 from .metrics import per_step_series
 from .microbench import run_microbench
@@ -65,6 +65,17 @@ def _peak_rss_mb(isolation: str) -> tuple[float, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "ru_maxrss of a fresh subprocess"
 
 
+def _thread_roles(config, trainer, process: int) -> dict:
+    """The intra-op threads of each thread of a run, after ``train()``: GRPOTrainer's process only; the asynchronous
+    trainer's as ``train()`` set them (without a generation thread when generation runs in the training thread)."""
+    if config["kind"] == "trl":
+        return thread_roles(process=process)
+    roles = trainer_threads(trainer, process)
+    if config["kind"] != "a3po":
+        roles["generation"] = None
+    return roles
+
+
 def run_training_config(config, common) -> dict:
     import gc
 
@@ -75,11 +86,6 @@ def run_training_config(config, common) -> dict:
     if not cuda and threads.get("process"):
         torch.set_num_threads(threads["process"])
     process = torch.get_num_threads()
-    roles = thread_roles(  # a thread without its own setting runs on the process's (PyTorch's) setting
-        training=(threads.get("training") or process) if config["kind"] != "trl" else None,
-        generation=(threads.get("generation") or process) if config["kind"] == "a3po" else None,
-        process=process,
-    )
     with tempfile.TemporaryDirectory(prefix="a3po-compare-") as output_dir:
         timer = step_timer_callback()
         trainer, model_name = make_trainer(config, common, output_dir, callbacks=[timer])
@@ -106,7 +112,7 @@ def run_training_config(config, common) -> dict:
             "series": series,
             "global_step": trainer.state.global_step,
             "torch_threads_after": torch.get_num_threads(),
-            "provenance": run_settings(roles),  # run_cell moves it up, where the runner completes it
+            "provenance": run_settings(_thread_roles(config, trainer, process)),  # run_cell moves it up
             **load,
             "loadavg_end": load_average(),
         }
