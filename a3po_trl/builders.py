@@ -53,13 +53,11 @@ from .generation.weights.memory_plan import (
     plan_generator_memory_choosing_staging,
     processes_on_node,
 )
-from .generation.weights.version_checkpoint import load_kept_versions
 from .patches import align_position_ids_with_generation, cast_lm_head_to_fp32, peft_base_model
 from .rollout import RolloutSettings, decode_completions, run_rollout
 from .rollout.dynamic_sampling import DynamicSampler, resolve_group_filter
 from .rollout.multi_turn import AgentSettings
 from .rollout.prompt_batches import repeated_prompt_batches
-from .rollout.prompt_draws import prompt_draws_before
 from .rollout.seeds import sampling_seeds
 
 logger = logging.getLogger(__name__)
@@ -366,19 +364,18 @@ def plan_run(trainer) -> RunPlan:
     return RunPlan(micro_steps, batches, every)
 
 
-def build_batch_producer(trainer, plan: RunPlan) -> tuple[BatchProducer, dict]:
+def build_batch_producer(trainer, plan: RunPlan, restored) -> BatchProducer:
     """The batch producer of the run ``plan`` describes, generating with the trainer's backend: its prompt batches
     (from where the run starts in the sampler's order), its rollouts, and the oldest version allowed to generate each
-    batch. Also returns the versions a resumed reproducible run regenerates its next batches with (kept by the
-    checkpoint), to publish again before the current weights (``earlier_versions`` of :meth:`BatchProducer.start`)."""
+    batch. ``restored`` (:class:`~a3po_trl.checkpoints.run_state.RestoredRunState`) says where a resumed run's prompt
+    stream stands and the versions it regenerates its next batches with (kept by the checkpoint, published again
+    before the current weights: ``earlier_versions`` of :meth:`BatchProducer.start`)."""
     args = trainer.args
     planned = plan.batches
     batch_number = batch_numbers(trainer, plan)
     local_batch_size = args.per_device_train_batch_size * args.steps_per_generation
     process, processes = trainer.accelerator.process_index, trainer.accelerator.num_processes
-    first_draw = batch_number(0) if planned else 0
-    if planned:  # a checkpoint of a run with dynamic sampling says where its varying number of draws left off
-        first_draw = prompt_draws_before(trainer._resume_checkpoint, process, processes, batch_number(0), first_draw)
+    first_draw = restored.first_prompt_draw
     prompt_batches = repeated_prompt_batches(
         trainer.train_dataset,
         num_generations=trainer.num_generations,
@@ -404,8 +401,7 @@ def build_batch_producer(trainer, plan: RunPlan) -> tuple[BatchProducer, dict]:
         ).fill
     else:
         settings = rollout_settings(trainer, batch_number)
-    # A resumed reproducible run regenerates its next batches with the versions the checkpoint kept for them.
-    earlier = load_kept_versions(trainer._resume_checkpoint) if args.reproducible_generation else {}
+    earlier = restored.kept_versions
     first_version = min([*earlier, trainer.state.global_step])
 
     def min_version(index: int) -> int:
@@ -430,7 +426,7 @@ def build_batch_producer(trainer, plan: RunPlan) -> tuple[BatchProducer, dict]:
         # (version_checkpoint.py)
         publish_through=plan.micro_steps[-1].version if plan.micro_steps else None,
     )
-    return producer, earlier
+    return producer
 
 
 def check_kept_versions(trainer, earlier: dict, assigned: list[int]) -> None:

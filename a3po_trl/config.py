@@ -15,7 +15,7 @@ PROXIMAL_METHODS = ("loglinear", "recompute", "metrics", "behavior", "guarded")
 optimizer step (``recompute``), both (``metrics``, to measure the error), not at all (``behavior``: the ablation
 without a proximal policy, the trust region anchored at the behavior policy), or the interpolation checked against its
 exact target every few batches with ``recompute``'s anchor while it is off by more than a budget (``guarded``,
-:mod:`a3po_trl.proximal_guard`). :mod:`a3po_trl.losses` says what each computes, and when ``recompute`` pays a
+:mod:`a3po_trl.proximal.guard`). :mod:`a3po_trl.proximal` says what each computes, and when ``recompute`` pays a
 forward."""
 
 CAP_MODES = ("token_mask", "token_truncate", "sequence_mask", "sequence_truncate")
