@@ -20,8 +20,6 @@ from torch import nn
 from trl.data_utils import is_conversational
 from trl.trainer.utils import add_fused_lm_head
 
-from .devices import explicit_device
-from .distributed import private_store
 from .generation.backend import GenerationBackend
 from .generation.hf import HFGenerateBackend, HFGenerationSettings
 from .generation.hf.continuous_batching import ContinuousBatchingBackend, check_continuous_batching_sampling
@@ -59,6 +57,8 @@ from .rollout.dynamic_sampling import DynamicSampler, resolve_group_filter
 from .rollout.multi_turn import AgentSettings
 from .rollout.prompt_batches import repeated_prompt_batches
 from .rollout.seeds import sampling_seeds
+from .runtime.devices import explicit_device
+from .runtime.distributed import private_store
 
 logger = logging.getLogger(__name__)
 

@@ -44,7 +44,6 @@ from .checkpoints import resolve_resume_checkpoint, save_checkpoint_atomically
 from .checkpoints.run_state import RestoredRunState, restore_run_state, save_fsdp2_model, save_run_state
 from .checkpoints.saves import resumed_a_complete_run
 from .config import AsyncA3POConfig, trainer_config
-from .distributed import ArrivalGate, destroy_process_group_at_exit, take_together
 from .generation import BatchProducer, GenerationBackend
 from .generation.producer import refuse_a_second_generation_thread
 from .losses import DecoupledLossMixin, LossSettings
@@ -52,6 +51,7 @@ from .metrics.deferred import resolve_metrics
 from .patches import align_position_ids_with_generation
 from .proximal import ProximalAnchor
 from .rollout.rollout_func import generate_completions
+from .runtime.distributed import ArrivalGate, destroy_process_group_at_exit, take_together
 from .timeline import TRAINING_LANE, TimelineRecorder, TraceWriter, TrainingStepTimeline
 from .timeline.overlap import OverlapMonitor
 from .training_batch import make_training_batch
@@ -136,7 +136,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         for module in (self.model, self.accelerator.unwrap_model(self.ref_model) if self.ref_model else None):
             if module is not None:
                 align_position_ids_with_generation(module)
-        # The accelerator initialized the process group by now; end it before interpreter exit (see distributed.py).
+        # The accelerator initialized the process group by now; end it before interpreter exit (runtime/distributed).
         destroy_process_group_at_exit()
 
         self._producer: BatchProducer | None = None

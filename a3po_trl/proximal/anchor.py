@@ -9,8 +9,8 @@ import torch
 
 from ..functional import approximate_proximal_logps
 from ..metrics.loss import approximation_error_metrics
+from ..runtime.timing import IntervalTimer
 from ..timeline import TRAINING_LANE
-from ..timing import IntervalTimer
 from .guard import ProximalGuard
 from .methods import PROXIMAL_METHOD_TABLE, ProximalMethod, batch_method, needs_recompute_forward
 

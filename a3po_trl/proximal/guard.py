@@ -33,7 +33,7 @@ import torch
 
 from ..functional import interpolation_check_sums, interpolation_check_verdict
 from ..generation.schedule import PlannedBatch
-from ..timing import IntervalTimer
+from ..runtime.timing import IntervalTimer
 from .previous_weights import PreviousVersionWeights
 
 logger = logging.getLogger(__name__)

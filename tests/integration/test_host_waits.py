@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 import a3po_trl
 from a3po_trl.metrics import deferred
 from a3po_trl.metrics.deferred import resolve_metrics
-from a3po_trl.timing import DeferredSeconds, IntervalTimer
+from a3po_trl.runtime.timing import DeferredSeconds, IntervalTimer
 
 #: Tensor methods that read a tensor's value on the host (each waits for the device on CUDA).
 _READS = ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__")

@@ -20,9 +20,7 @@ LAYERS = {
     "a3po_trl.timeline": 1,  # the span recorder both threads write to
     "a3po_trl.timeline.plot": 7,  # draws a trace (matplotlib, imported lazily)
     "a3po_trl.patches": 1,
-    "a3po_trl.distributed": 1,
-    "a3po_trl.devices": 1,
-    "a3po_trl.timing": 1,  # device work timed by events, read when logged (both threads)
+    "a3po_trl.runtime": 1,  # devices, device work timed by events (both threads), the process group's agreements
     "a3po_trl.generation.weights": 2,  # the weight path: gather, dtype, staging store, copies, memory plan
     "a3po_trl.generation": 3,  # the batch producer, the queue, the schedule, the backend interface
     "a3po_trl.generation.hf": 4,
