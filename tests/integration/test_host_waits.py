@@ -216,14 +216,18 @@ def test_interval_timer_records_cuda_events_and_reads_them_only_when_logged(monk
     assert isinstance(timer.take(), float)
 
 
-_TRAINING_PATH = ("losses.py", "training_batch.py", "builders.py", "trainer.py")  # and metrics/
+_TRAINING_PATH = ("losses.py", "training_batch.py", "builders/", "trainer.py", "metrics/", "proximal/")
 
 
 def test_no_device_wide_synchronize_in_the_training_path():
     """No ``torch.cuda.synchronize`` and no stream synchronize in the training path's source; an event's
     ``synchronize`` only where a logged time is read (:meth:`DeferredSeconds.seconds`)."""
     root = Path(a3po_trl.__file__).parent
-    files = [root / name for name in _TRAINING_PATH if name.endswith(".py")] + list((root / "metrics").glob("*.py"))
+    files = [
+        path
+        for name in _TRAINING_PATH
+        for path in ([root / name] if name.endswith(".py") else (root / name).glob("*.py"))
+    ]
     found = []
     for path in files:
         tree = ast.parse(path.read_text())

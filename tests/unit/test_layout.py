@@ -31,8 +31,8 @@ LAYERS = {
     "a3po_trl.proximal": 7,  # the proximal anchor: the methods, the guard, the previous version's weights
     "a3po_trl.losses": 8,
     "a3po_trl.validation": 7,
+    "a3po_trl.builders": 7,  # what the generation thread needs, read off the trainer once, by concern
     "a3po_trl.checkpoints": 8,  # complete folders, atomic saves, the resume decision; reads trainer internals
-    "a3po_trl.builders": 8,  # the one module that reads trainer internals to build what the thread needs
     "a3po_trl.training_batch": 8,  # the main thread's half of the batch path: a scored batch becomes a training batch
     "a3po_trl.checkpoints.run_state": 9,  # what a checkpoint keeps of the run beyond Trainer's (reads the builders')
     "a3po_trl.trainer": 10,
