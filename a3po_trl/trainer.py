@@ -1,22 +1,9 @@
 """`AsyncA3POTrainer`: TRL's GRPOTrainer with a background generator and A-3PO's decoupled loss; here, its lifecycle
-and TRL's hooks.
-
-- ``train`` starts the batch producer (:mod:`a3po_trl.generation.producer`, assembled by :mod:`a3po_trl.builders`)
-  lazily and always stops and joins its thread; it raises the generation thread's error even when the thread failed
-  after the last batch the trainer took, and refuses to run while the thread of an earlier call is still alive (it
-  shares the generation backend).
-- ``_prepare_inputs`` takes the producer's scored batches, makes them training batches in the main thread
-  (:mod:`a3po_trl.training_batch`: advantages over every process, reference and proximal log-probs), then buffers and
-  splits them as TRL does; ``compute_loss`` is the decoupled loss (:mod:`a3po_trl.losses`), whose metrics stay on the
-  device until ``log`` reads them all at once (:mod:`a3po_trl.metrics.deferred`).
-- A callback publishes the weights to the generator after every optimizer step.
-- Both threads record their spans on a timeline (:mod:`a3po_trl.timeline`), written to ``output_dir/timeline/`` at
-  every checkpoint and when ``train`` ends, best effort; ``save_timeline`` draws it.
-- Checkpoints are written whole or not at all, and ``resume_from_checkpoint=True`` resumes from the newest complete
-  one (:mod:`a3po_trl.checkpoints`). Under FSDP2, ``save_model`` writes whole weights (or a PEFT adapter) gathered
-  from every process's shards.
-
-Evaluation is unchanged: it generates synchronously through GRPOTrainer's own path.
+and TRL's hooks: ``train`` starts and always stops the batch producer (:mod:`a3po_trl.builders`), ``_prepare_inputs``
+makes the producer's batches training batches (:mod:`a3po_trl.training_batch`), ``compute_loss`` is the decoupled loss
+(:mod:`a3po_trl.losses`), a callback publishes the weights after every optimizer step, and checkpoints are written
+whole and restored piece by piece (:mod:`a3po_trl.checkpoints`). Evaluation is GRPOTrainer's own, synchronous path
+(docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations

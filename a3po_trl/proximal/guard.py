@@ -1,25 +1,9 @@
-"""``prox_logp_method="guarded"``: A-3PO's interpolation, checked against its exact target, and the recomputed anchor
-while the check finds it too far off.
-
-Every ``prox_check_interval`` generation batches (the run's batches ``1, 1 + N, 1 + 2N, ...``, numbered from the first
-batch of the first epoch, so a resumed run checks the batches an uninterrupted one checks) the guard measures, at every
-micro-step of that batch, the interpolation ``w b + (1 - w) c`` against the exact log-probs ``t`` of the version it
-targets, one before the trained weights (:mod:`a3po_trl.proximal.previous_weights`: that version's trainable weights
-are kept at the last micro-step that trains them, before its forward, only when the next step trains a checked batch,
-and exchanged in for one no-grad forward). Over the checked batch's tokens of staleness ``d >= 1`` on every process
-(:func:`~a3po_trl.functional.interpolation_check_sums`), the check's error is the mean ``|w b + (1 - w) c - t|`` in
-nats, and its relative error that over the mean ``|c - t|``, one optimizer step's drift on the same tokens: 1.0 is an
-anchor as far from the target as the trained weights themselves, at any learning rate.
-
-When the trainer takes the next batch, the check is settled (one sum over processes, one read on the host, the same
-decision everywhere): a relative error above ``prox_error_budget`` makes every batch from then on train with
-``recompute``'s anchor (the weights of the batch's first optimizer step: a no-grad forward per batch where the batch
-spans several optimizer steps, the training forward's own log-probs otherwise), one within budget makes them train
-with the interpolation again. A check that measured no token (every token on-policy) leaves the anchor as it was.
-
-The state (the anchor in use, the check in progress, the counts, and the kept weights when a checked micro-step
-follows) goes into every checkpoint, one file per process, so that a resumed run continues with the decisions an
-uninterrupted run makes; resumed inside a batch, it goes on with that batch's check, settled with the next batch.
+"""``prox_logp_method="guarded"``: A-3PO's interpolation, checked every ``prox_check_interval`` generation batches
+against its exact target (the log-probs of the version one before the trained weights:
+:mod:`a3po_trl.proximal.previous_weights`), and the recomputed anchor while the check's error, relative to one
+optimizer step's drift (:func:`~a3po_trl.functional.interpolation_check_sums`), exceeds ``prox_error_budget``. The
+state goes into every checkpoint, one file per process. What it measures, decides and costs: docs/ARCHITECTURE.md,
+"The guarded proximal method".
 """
 
 from __future__ import annotations
