@@ -450,10 +450,10 @@ def interpolation_check_sums(
     tokens of staleness ``d >= 1`` whose three log-probs are finite.
 
     ``exact_logps`` are the log-probs of the version the interpolation targets, one before the trained weights
-    (:mod:`a3po_trl.proximal_check`); ``|current - exact|`` is the drift of one optimizer step on the same tokens, the
-    scale that makes the error comparable across learning rates. Tokens of ``d = 0`` are left out (their anchor is
-    the trained weights themselves, not the version before); at ``d = 1`` the interpolation is the behavior log-prob,
-    and its error the generator's numerics against the trainer's forward of the same weights.
+    (:mod:`a3po_trl.proximal.previous_weights`); ``|current - exact|`` is the drift of one optimizer step on the same
+    tokens, the scale that makes the error comparable across learning rates. Tokens of ``d = 0`` are left out (their
+    anchor is the trained weights themselves, not the version before); at ``d = 1`` the interpolation is the behavior
+    log-prob, and its error the generator's numerics against the trainer's forward of the same weights.
     """
     staleness = _broadcast_to_tokens(staleness, current_logps)
     values = torch.stack([loglinear_logps, current_logps, exact_logps]).detach().double()

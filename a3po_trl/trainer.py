@@ -1,22 +1,9 @@
 """`AsyncA3POTrainer`: TRL's GRPOTrainer with a background generator and A-3PO's decoupled loss; here, its lifecycle
-and TRL's hooks.
-
-- ``train`` starts the batch producer (:mod:`a3po_trl.generation.producer`, assembled by :mod:`a3po_trl.builders`)
-  lazily and always stops and joins its thread; it raises the generation thread's error even when the thread failed
-  after the last batch the trainer took, and refuses to run while the thread of an earlier call is still alive (it
-  shares the generation backend).
-- ``_prepare_inputs`` takes the producer's scored batches, makes them training batches in the main thread
-  (:mod:`a3po_trl.training_batch`: advantages over every process, reference and proximal log-probs), then buffers and
-  splits them as TRL does; ``compute_loss`` is the decoupled loss (:mod:`a3po_trl.losses`), whose metrics stay on the
-  device until ``log`` reads them all at once (:mod:`a3po_trl.metrics.deferred`).
-- A callback publishes the weights to the generator after every optimizer step.
-- Both threads record their spans on a timeline (:mod:`a3po_trl.timeline`), written to ``output_dir/timeline/`` at
-  every checkpoint and when ``train`` ends, best effort; ``save_timeline`` draws it.
-- Checkpoints are written whole or not at all, and ``resume_from_checkpoint=True`` resumes from the newest complete
-  one (:mod:`a3po_trl.checkpoints`). Under FSDP2, ``save_model`` writes whole weights (or a PEFT adapter) gathered
-  from every process's shards.
-
-Evaluation is unchanged: it generates synchronously through GRPOTrainer's own path.
+and TRL's hooks: ``train`` starts and always stops the batch producer (:mod:`a3po_trl.builders`), ``_prepare_inputs``
+makes the producer's batches training batches (:mod:`a3po_trl.training_batch`), ``compute_loss`` is the decoupled loss
+(:mod:`a3po_trl.losses`), a callback publishes the weights after every optimizer step, and checkpoints are written
+whole and restored piece by piece (:mod:`a3po_trl.checkpoints`). Evaluation is GRPOTrainer's own, synchronous path
+(docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -33,28 +20,20 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import split_tensor_dict
 
-from .builders import (
-    RunPlan,
-    build_backend,
-    build_batch_producer,
-    plan_run,
-    uses_fsdp2,
-)
+from .builders import RunPlan, build_backend, build_batch_producer, cpu_threads, plan_run, uses_fsdp2
 from .checkpoints import resolve_resume_checkpoint, save_checkpoint_atomically
-from .checkpoints.batch_order import order_rows
-from .checkpoints.recomputed_anchor import restore_recomputed_anchor
-from .checkpoints.run_state import save_fsdp2_model, save_run_state
+from .checkpoints.run_state import RestoredRunState, restore_run_state, save_fsdp2_model, save_run_state
 from .checkpoints.saves import resumed_a_complete_run
 from .config import AsyncA3POConfig, trainer_config
-from .distributed import ArrivalGate, destroy_process_group_at_exit, take_together
 from .generation import BatchProducer, GenerationBackend
-from .generation.cpu_threads import CPUThreads, choose_cpu_threads
+from .generation.cpu_threads import CPUThreads
 from .generation.producer import refuse_a_second_generation_thread
-from .losses import DecoupledLossMixin
+from .losses import DecoupledLossMixin, LossSettings
 from .metrics.deferred import resolve_metrics
 from .patches import align_position_ids_with_generation
-from .proximal_guard import ProximalGuard
+from .proximal import ProximalAnchor
 from .rollout.rollout_func import generate_completions
+from .runtime.distributed import ArrivalGate, destroy_process_group_at_exit, take_together
 from .timeline import TRAINING_LANE, TimelineRecorder, TraceWriter, TrainingStepTimeline
 from .timeline.overlap import OverlapMonitor
 from .training_batch import make_training_batch
@@ -126,7 +105,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         args = trainer_config(args, model)
         check_supported(args, kwargs)
         check_train_dataset(train_dataset, environment_owns_prompts=kwargs.get("environment_factory") is not None)
-        # vLLM is this trainer's own generation backend (generation/vllm_*.py), driven by the generation thread:
+        # vLLM is this trainer's own generation backend (generation/vllm/), driven by the generation thread:
         # GRPOTrainer must not build its synchronous one, so it is constructed as if use_vllm were off.
         self._use_vllm_backend = bool(args.use_vllm)
         args.use_vllm = False
@@ -139,7 +118,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         for module in (self.model, self.accelerator.unwrap_model(self.ref_model) if self.ref_model else None):
             if module is not None:
                 align_position_ids_with_generation(module)
-        # The accelerator initialized the process group by now; end it before interpreter exit (see distributed.py).
+        # The accelerator initialized the process group by now; end it before interpreter exit (runtime/distributed).
         destroy_process_group_at_exit()
 
         self._producer: BatchProducer | None = None
@@ -155,6 +134,8 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         self._schedule_warned = False
         self._weight_sync_seconds = 0.0
         self._resume_checkpoint = None
+        self._restored: RestoredRunState | None = None
+        """What the current run took from the checkpoint it resumed from (see :func:`restore_run_state`)."""
         self._resumed_a_complete_run = False
         self._batch_order: dict | None = None
         """The batch being trained and the order of its rows (see :mod:`a3po_trl.checkpoints.batch_order`)."""
@@ -170,10 +151,10 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         self.overlap_monitor = OverlapMonitor(lambda: self._producer, lambda: self.accelerator.is_main_process)
         """Says once per ``train()`` call when the generation thread's overlap costs more than it hides."""
         self.add_callback(self.overlap_monitor)
-        self.proximal_guard: ProximalGuard | None = None
-        """The interpolation's checks and the anchor they chose, with ``prox_logp_method="guarded"``."""
-        if args.prox_logp_method == "guarded":
-            self.proximal_guard = ProximalGuard(args.prox_check_interval, args.prox_error_budget)
+        self.loss_settings = LossSettings.of(self)
+        """The loss's settings, read once (see :mod:`a3po_trl.losses`)."""
+        self.proximal_anchor = ProximalAnchor.from_config(args)
+        """The proximal log-probs the loss trains with, by ``prox_logp_method`` (see :mod:`a3po_trl.proximal`)."""
 
     # ---- batch producer --------------------------------------------------------------------------------------------
     def _unwrapped_model(self):
@@ -222,14 +203,13 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         if self._steps_in_epoch is None:  # batches taken outside train(): the loop's shape from its dataloader
             self.set_initial_training_values(self.args, self.get_train_dataloader())
         self._plan = plan_run(self)
-        if self.proximal_guard is not None:
-            process, device = self.accelerator.process_index, self.accelerator.device
-            self.proximal_guard.start_run(self._plan, self._steps_in_epoch, self._resume_checkpoint, process, device)
+        self.proximal_anchor.start_run(self._plan, self._steps_in_epoch)
         self._batch_gate = ArrivalGate(self.accelerator, "a3po-take-batch", self.args.generation_poll_interval)
-        self._producer, earlier = build_batch_producer(self, self._plan)
+        self._restored = restore_run_state(self, self._plan)
+        self._producer = build_batch_producer(self, self._plan, self._restored)
         self.last_batch_producer = self._producer
         model, version = self._unwrapped_model(), self.state.global_step
-        self._producer.start(model, version, self._state_snapshot(), earlier_versions=earlier)
+        self._producer.start(model, version, self._state_snapshot(), earlier_versions=self._restored.kept_versions)
 
     def _stop_producer(self) -> BaseException | None:
         """Stop and join the generation thread. Returns the thread's exception that no batch request re-raised (it
@@ -299,9 +279,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
 
     def train(self, *args, **kwargs):
         previous_threads = torch.get_num_threads()
-        self.cpu_threads = choose_cpu_threads(
-            self.args, self._unwrapped_model().config, self._generation_shares_cpu(), previous_threads
-        )
+        self.cpu_threads = cpu_threads(self, previous_threads)
         if self.cpu_threads.reason and self.accelerator.is_main_process:
             logger.info(
                 "CPU threads: %s (training_num_threads / generation_num_threads override)", self.cpu_threads.reason
@@ -344,12 +322,6 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             raise generation_error.with_traceback(generation_error.__traceback__)
         return result
 
-    def _generation_shares_cpu(self) -> bool:
-        """Whether the generation thread runs ``generate`` on this process's CPU beside training."""
-        device = torch.device(self.args.generation_device or self.accelerator.device)
-        on_cpu = device.type == "cpu" and self.accelerator.device.type == "cpu"
-        return on_cpu and self.args.async_generation and not self._use_vllm_backend
-
     def _end_train(self, previous_threads: int) -> BaseException | None:
         """What ends every ``train()``: stop the generation thread (returning its unreported error), restore the
         thread count, write the trace. Raises nothing of its own."""
@@ -376,11 +348,10 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
                 planned = self._plan.batches[scored.index]
                 batch = make_training_batch(self, scored, waited, planned, self._weight_sync_seconds)
                 self._weight_sync_seconds = 0.0
-                process, checkpoint = self.accelerator.process_index, self._resume_checkpoint
-                batch, self._batch_order = order_rows(batch, planned, process, checkpoint)
+                batch, self._batch_order = self._restored.order_rows(batch, planned)
                 span_args.update(self._step_timeline.batch)
             self._buffered_inputs = split_tensor_dict(batch, self.args.steps_per_generation)
-            restore_recomputed_anchor(self, planned, self._buffered_inputs)  # resumed inside it: the kept anchor
+            self._restored.attach_recomputed_anchor(self, planned, self._buffered_inputs)  # resumed inside it
         self._step_timeline.inputs_ready()
         return self._buffered_inputs[position % self.args.steps_per_generation]
 

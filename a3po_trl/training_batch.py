@@ -1,19 +1,20 @@
 """The main thread's half of the batch path: a scored batch from the generation thread becomes a training batch.
 
 What the generation thread cannot do is done here, once per generation batch, when the trainer takes it: everything
-that needs every process (the rewards of reward models partitioned by ZeRO-3 or sharded by FSDP2, the group
-advantages over every process's rewards, the generation batch's token count) or the training weights (the reference
-log-probs). The proximal log-probs of a recompute forward are left to the loss, which computes them at the generation
-batch's first micro-step (:mod:`a3po_trl.losses`, which owns the method): this file only tags the batch with what the
-loss needs to decide (``versions_training_batch``, ``batch_index``). :func:`make_training_batch` runs the stages in
-order, each a function of its own:
+that needs every process (the rewards of reward models partitioned by ZeRO-3 or sharded by FSDP2, the group advantages
+over every process's rewards, the generation batch's token count) or the training weights (the reference log-probs).
+The proximal log-probs of a recompute forward are left to the trainer's anchor, which computes them at the generation
+batch's first micro-step (:mod:`a3po_trl.proximal`, which owns the method): this file only tags the batch with what it
+needs to decide (``versions_training_batch``, ``batch_index``). :func:`make_training_batch` runs the stages in order,
+each a function of its own:
 
 1. :func:`on_device`: the batch's tensors on the training device;
 2. :func:`score_deferred_rewards`: the reward models left to the main thread;
 3. :func:`advantages_over_processes`: GRPOTrainer's group advantages from every process's rewards, this process's rows;
 4. :func:`count_loss_tokens`: the generation batch's loss tokens over every process (``num_items_in_batch``);
-5. the batch's schedule tags, for the loss's proximal log-probs (with ``prox_logp_method="guarded"``, the anchor the
-   guard chose for it and whether it is checked: :mod:`a3po_trl.proximal_guard`);
+5. the batch's schedule tags, for the proximal log-probs, and the anchor's batch begun (with
+   ``prox_logp_method="guarded"``, the guard settles its check and chooses the batch's anchor:
+   :mod:`a3po_trl.proximal.guard`);
 6. :func:`reference_logps`: the reference model's log-probs (``beta != 0``);
 7. :func:`log_batch`: GRPOTrainer's batch metrics, the generator's timings, the completions table (with dynamic
    sampling, what filling the batch took: :func:`~a3po_trl.metrics.batch.dynamic_sampling_metrics`).
@@ -65,14 +66,11 @@ def make_training_batch(
     if scored.environments is not None:
         trainer.environments = scored.environments  # GRPOTrainer's attribute: the latest batch's environments
 
-    # what the loss needs to know to recompute the proximal log-probs at the batch's first micro-step (losses.py);
-    # on the host, so that reading them at every micro-step never waits for the GPU
+    # what the loss's anchor needs to know to recompute the proximal log-probs at the batch's first micro-step; on
+    # the host, so that reading them at every micro-step never waits for the GPU
     data["versions_training_batch"] = torch.tensor(planned.span)
     data["batch_index"] = torch.tensor(scored.index)
-    guard_metrics = {}
-    if getattr(trainer, "proximal_guard", None) is not None:  # "guarded": this batch's anchor, and whether checked
-        recompute, checked, guard_metrics = trainer.proximal_guard.begin_batch(planned, trainer.accelerator)
-        data["guard_recompute"], data["prox_check"] = torch.tensor(recompute), torch.tensor(checked)
+    anchor_metrics = trainer.proximal_anchor.begin_batch(planned, trainer.accelerator)  # "guarded": settle, choose
     if trainer.beta != 0.0:
         input_ids = torch.cat([data["prompt_ids"], data["completion_ids"]], dim=1)
         attention_mask = torch.cat([data["prompt_mask"], data["completion_mask"]], dim=1)
@@ -80,7 +78,7 @@ def make_training_batch(
         with trainer.timeline.span(TRAINING_LANE, "reference forward", batch=scored.index):
             data["ref_per_token_logps"] = reference_logps(trainer, input_ids, attention_mask, logits_to_keep)
 
-    values = {**agent_values, **guard_metrics, "async/weight_sync_time": weight_sync_seconds}
+    values = {**agent_values, **anchor_metrics, "async/weight_sync_time": weight_sync_seconds}
     if trainer.args.dynamic_sampling:
         args = trainer.args
         steps = args.steps_per_generation * trainer.num_iterations / args.gradient_accumulation_steps

@@ -6,9 +6,9 @@ A-3PO's anchor for a token of staleness ``d`` trained by the weights of version 
 they linear in the version. Every run here trains with ``prox_logp_method="loglinear"`` (the method whose error is
 measured, on its own trajectory) and, before every micro-step's training forward, computes per token the exact target
 ``t`` (one no-grad forward with the trainable weights of version ``v - 1`` exchanged in,
-:class:`a3po_trl.proximal_check.PreviousVersionWeights`) and ``c`` (one with the weights being trained), and keeps
-them with ``b``, the staleness, the batch and the anchor's age (optimizer steps since the batch's first) in the run's
-record (a compressed array, ``tokens_npz``). The summary scores every estimator of
+:class:`a3po_trl.proximal.previous_weights.PreviousVersionWeights`) and ``c`` (one with the weights being
+trained), and keeps them with ``b``, the staleness, the batch and the anchor's age (optimizer steps since the
+batch's first) in the run's record (a compressed array, ``tokens_npz``). The summary scores every estimator of
 :mod:`benchmarks.common.anchor_estimators` against ``t`` on the tokens of staleness >= 2 outside the first batch:
 the fixed ``1/d``, a weight per staleness fitted causally (on earlier batches only), one per staleness and age, the
 interpolation in probability space, the two ends, and the in-sample best weight per staleness (a bound).
@@ -75,7 +75,7 @@ class ExactAnchorRecorder:
     def __init__(self, trainer):
         from transformers import TrainerCallback
 
-        from a3po_trl.proximal_check import PreviousVersionWeights
+        from a3po_trl.proximal.previous_weights import PreviousVersionWeights
 
         self.trainer = trainer
         self.previous = PreviousVersionWeights()

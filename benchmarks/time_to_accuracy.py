@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common.demo import demo_trainer
+from benchmarks.common.demo import add_run_arguments, apply_quick, demo_trainer
 from benchmarks.common.intervals import mean_interval
 from benchmarks.common.runner import RunStore, plan, run_study, study_parser
 
@@ -43,16 +43,6 @@ def _parser() -> argparse.ArgumentParser:
     parser = study_parser(__doc__, configs=CONFIGS, seeds=(42, 43, 44), out=HERE / "results" / "time-to-accuracy")
     add_run_arguments(parser)
     return parser
-
-
-def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of one run (:func:`_run_one`), for this study and the studies that reuse its runs."""
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--eval-every", type=int, default=20)
-    parser.add_argument("--eval-problems", type=int, default=100, help="fixed subset evaluated during training")
-    parser.add_argument("--held-out", type=int, default=200, help="held-out problems before/after")
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--quick", action="store_true", help="4 steps, 8 problems, 16 tokens (a smoke run)")
 
 
 #: The demo's training settings that every configuration shares (:func:`a3po_trl.tasks.demo_settings.demo_defaults`).
@@ -80,12 +70,6 @@ def _settings(options) -> dict:
         training["max_completion_length"] = 16
     threads = {k: defaults.get(k) for k in ("generation_num_threads", "training_num_threads")}
     return {"training": training, "threads": threads, "system_prompt": DEMO_SYSTEM_PROMPT}
-
-
-def apply_quick(options) -> None:
-    """``--quick``: 4 steps, snapshots every 2 steps, 8 problems (completions of 16 tokens: :func:`_settings`)."""
-    if options.quick:
-        options.steps, options.eval_every, options.eval_problems, options.held_out = 4, 2, 8, 8
 
 
 def _method_and_staleness(name: str) -> tuple[str, int]:

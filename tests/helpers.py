@@ -500,7 +500,7 @@ class WrongInterpolation:
     """A-3PO's interpolation made wrong on purpose (weight -20 on the behavior log-probs instead of ``1/d``: far past
     both ends) while ``trainer``'s step is in ``wrong_steps`` and ``process`` (every process by default) is the
     trainer's, right otherwise: what ``prox_logp_method="guarded"``'s tests put in place of
-    ``a3po_trl.losses.approximate_proximal_logps``."""
+    ``a3po_trl.proximal.anchor.approximate_proximal_logps``."""
 
     def __init__(self, trainer, wrong_steps, process: int | None = None):
         self.trainer, self.wrong_steps, self.process = trainer, set(wrong_steps), process

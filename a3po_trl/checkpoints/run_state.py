@@ -1,12 +1,19 @@
-"""What a checkpoint of ``AsyncA3POTrainer`` holds beyond Trainer's: the state of the run that lives outside the
-model, the optimizer and the random streams, written by every process into the checkpoint's (staging) folder.
+"""What a checkpoint of ``AsyncA3POTrainer`` holds beyond Trainer's, saved (:func:`save_run_state`) and restored
+(:func:`restore_run_state`) here, piece by piece: the state of the run that lives outside the model, the optimizer
+and the random streams, written by every process into the checkpoint's (staging) folder. Each piece's file is written
+and read by one module, its save beside its load:
 
-- the order of the rows of the batch being trained and, where the checkpoint falls inside a batch trained with the
-  recomputed anchor, that anchor (:mod:`.batch_order`, :mod:`.recomputed_anchor`);
+- the order of the rows of the batch being trained (:mod:`.batch_order`) and, where the checkpoint falls inside a
+  batch trained with the recomputed anchor, that anchor (:mod:`a3po_trl.proximal.recomputed_anchor`);
 - with ``reproducible_generation``, the weight versions a resumed run may still generate with
   (:mod:`a3po_trl.generation.weights.version_checkpoint`);
-- with ``prox_logp_method="guarded"``, the guard's state (:mod:`a3po_trl.proximal_guard`);
+- with ``prox_logp_method="guarded"``, the guard's state (:mod:`a3po_trl.proximal.guard`);
 - with dynamic sampling, where each process's prompts stand (:mod:`a3po_trl.rollout.prompt_draws`).
+
+One rule for a piece the checkpoint lacks (written by another method, setting or version): the resumed run starts
+that piece as a fresh run does, with a warning where it then departs from the uninterrupted run; a piece it holds that
+contradicts the resumed run's settings (another number of processes, batch shape or ``max_staleness``) is refused,
+naming the fix.
 
 And under FSDP2, the model files ``save_model`` writes whole from every process's shards
 (:func:`save_fsdp2_model`).
@@ -15,14 +22,15 @@ And under FSDP2, the model files ``save_model`` writes whole from every process'
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 
-from ..builders import prompt_draws_to_keep, weight_gather
+from ..builders import batch_numbers, prompt_draws_to_keep, weight_gather
 from ..generation.weights.gather import whole_state_dict
 from ..generation.weights.names import ACTIVATION_CHECKPOINT_PREFIX, strip_checkpoint_wrapper_from_files
-from ..generation.weights.version_checkpoint import save_kept_versions
-from ..rollout.prompt_draws import save_prompt_draws
-from .batch_order import save_batch_order
-from .recomputed_anchor import save_recomputed_anchor
+from ..generation.weights.version_checkpoint import load_kept_versions, save_kept_versions
+from ..proximal.recomputed_anchor import restore_recomputed_anchor, save_recomputed_anchor
+from ..rollout.prompt_draws import prompt_draws_before, save_prompt_draws
+from .batch_order import order_rows, save_batch_order
 
 
 def save_run_state(trainer, directory: str) -> None:
@@ -34,12 +42,55 @@ def save_run_state(trainer, directory: str) -> None:
         save_recomputed_anchor(trainer, directory)  # and, where the checkpoint falls inside it, its anchor
     if args.reproducible_generation and trainer._backend is not None and args.should_save:
         save_kept_versions(trainer._backend, directory, trainer.state.global_step, args.max_staleness)
-    if trainer.proximal_guard is not None:  # every process: the anchor in use, the check in progress
-        trainer.proximal_guard.save(directory, process)
+    guard = trainer.proximal_anchor.guard
+    if guard is not None:  # every process: the anchor in use, the check in progress
+        guard.save(directory, process)
     if args.dynamic_sampling and trainer._producer is not None:  # every process: where its prompts stand
         os.makedirs(directory, exist_ok=True)
         draws = prompt_draws_to_keep(trainer)
         save_prompt_draws(directory, process, trainer.accelerator.num_processes, draws)
+
+
+@dataclass
+class RestoredRunState:
+    """What a run takes from the checkpoint it resumes from (``checkpoint``; None: a run started afresh, every piece
+    at its default): what the batch producer starts from, and what the run's first batch takes when it arrives."""
+
+    checkpoint: str | None
+    process_index: int
+    first_prompt_draw: int = 0
+    """The prompt batches this process drew before the run's first batch (its position in the prompt stream)."""
+    kept_versions: dict = field(default_factory=dict)
+    """``{version: (weights, trainer_state)}`` the generator regenerates the run's next batches with."""
+
+    def order_rows(self, batch: dict, planned) -> tuple[dict, dict]:
+        """``batch``'s rows shuffled as GRPOTrainer does, or, for the first batch of a run resumed inside it, in the
+        order the checkpoint kept (:func:`~a3po_trl.checkpoints.batch_order.order_rows`); and the order to keep."""
+        return order_rows(batch, planned, self.process_index, self.checkpoint)
+
+    def attach_recomputed_anchor(self, trainer, planned, micro_batches: list[dict]) -> bool:
+        """For the first batch of a run resumed inside it: the recomputed anchor the checkpoint kept, where it belongs
+        (:func:`~a3po_trl.proximal.recomputed_anchor.restore_recomputed_anchor`)."""
+        return restore_recomputed_anchor(trainer, self.checkpoint, planned, micro_batches)
+
+
+def restore_run_state(trainer, plan) -> RestoredRunState:
+    """What a run (``plan``) starting now takes from the checkpoint it resumes from (``trainer._resume_checkpoint``),
+    on every process: the guard's state (restored now), the prompt batches drawn before its first batch and the
+    generator's kept versions (for the batch producer), and, through the returned object, the order of the rows and
+    the recomputed anchor of its first batch, when that batch arrives."""
+    checkpoint, args = trainer._resume_checkpoint, trainer.args
+    process, processes = trainer.accelerator.process_index, trainer.accelerator.num_processes
+    guard = trainer.proximal_anchor.guard
+    if guard is not None and checkpoint is not None:
+        guard.load(checkpoint, process, trainer.accelerator.device)
+    restored = RestoredRunState(checkpoint, process)
+    if plan.batches:  # a checkpoint of a run with dynamic sampling says where its varying number of draws left off
+        first = batch_numbers(trainer, plan)(0)
+        restored.first_prompt_draw = prompt_draws_before(checkpoint, process, processes, first, first)
+    if args.reproducible_generation:  # the versions a resumed reproducible run regenerates its next batches with
+        restored.kept_versions = load_kept_versions(checkpoint)
+    return restored
 
 
 def save_fsdp2_model(trainer, output_dir: str) -> None:

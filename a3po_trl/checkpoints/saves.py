@@ -35,7 +35,7 @@ from collections.abc import Callable
 from accelerate.utils import broadcast_object_list, gather_object
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
-from ..distributed import raise_together
+from ..runtime.distributed import raise_together
 from .files import (
     STAGING_PREFIX,
     TRAINER_STATE_NAME,

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..devices import explicit_device
+from ..runtime.devices import explicit_device
+from ..runtime.timing import DeferredSeconds
 from ..timeline import record_in_batch_span
-from ..timing import DeferredSeconds
 from ..types import GeneratedCompletions
 from .weights import VersionedWeights
 
@@ -140,7 +140,7 @@ class GenerationBackend(ABC):
         are the staging buffers: copy what must outlive the call. The main thread may overwrite them once it returns:
         a backend whose copies out of them are queued on the generation thread's current stream says so
         (:attr:`reads_staging_on_host` False) and the store orders the next fill after them; any other waits for its
-        asynchronous copies before returning (:func:`~a3po_trl.devices.wait_for_copies`)."""
+        asynchronous copies before returning (:func:`~a3po_trl.runtime.devices.wait_for_copies`)."""
 
     @abstractmethod
     def generate(

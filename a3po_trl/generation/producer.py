@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..devices import explicit_device, generation_stream
+from ..runtime.devices import explicit_device, generation_stream
 from ..timeline import GENERATION_LANE, TRAINING_LANE, TimelineRecorder, batch_span, record_in_batch_span
 from ..types import GenerationStopped, ScoredBatch
 from .backend import GenerationBackend

@@ -10,8 +10,8 @@ A tensor entry that is NaN means *no value at this micro-step* (for instance the
 without on-policy tokens): it is dropped, as if it had never been appended, and a name left without values is not
 logged. (GRPOTrainer's ``log`` skips NaN values too; a float entry, GRPOTrainer's own, is left as it is.)
 
-:class:`~a3po_trl.timing.IntervalTimer` times work on the device the same way; its
-:class:`~a3po_trl.timing.DeferredSeconds` are read here too.
+:class:`~a3po_trl.runtime.timing.IntervalTimer` times work on the device the same way; its
+:class:`~a3po_trl.runtime.timing.DeferredSeconds` are read here too.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from ..timing import DeferredSeconds
+from ..runtime.timing import DeferredSeconds
 
 
 def nan_if_empty(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

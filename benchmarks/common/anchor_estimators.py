@@ -1,10 +1,10 @@
 """Estimators of the proximal anchor, scored against its exact value: the oracle study's arithmetic, pure numpy.
 
 Every estimator here estimates, for each token, the log-prob ``t`` of the version one before the trained weights (the
-target of A-3PO's interpolation, :mod:`a3po_trl.proximal_check`) from what the loss has without an extra forward: the
-behavior log-prob ``b`` (version ``v - d``), the current one ``c`` (version ``v``) and the token's staleness ``d``,
-plus, for the fitted ones, the tokens of *earlier* batches of the same run whose ``t`` was computed (a causal fit:
-what a run that checked every batch would have known when it trained this one).
+target of A-3PO's interpolation, :mod:`a3po_trl.proximal.previous_weights`) from what the loss has without an extra
+forward: the behavior log-prob ``b`` (version ``v - d``), the current one ``c`` (version ``v``) and the token's
+staleness ``d``, plus, for the fitted ones, the tokens of *earlier* batches of the same run whose ``t`` was computed (a
+causal fit: what a run that checked every batch would have known when it trained this one).
 
 With ``x = b - c`` and ``y = t - c``, an interpolation with weight ``w`` on the behavior log-prob estimates
 ``c + w x``; its least-squares weight over a set of tokens is ``sum(x y) / sum(x x)``, and shrunk toward a prior

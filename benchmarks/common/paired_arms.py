@@ -97,12 +97,11 @@ def write_summary(out, lines: list[str], runs: dict, outcomes, paired: list[dict
 
 def arms_parser(description: str, *, configs, seeds, out):
     """An arm study's command line: the runner's options and a time-to-accuracy run's, snapshots every 10 steps."""
-    from benchmarks import time_to_accuracy
-
+    from .demo import add_run_arguments
     from .runner import study_parser
 
     parser = study_parser(description, configs=configs, seeds=seeds, out=out)
-    time_to_accuracy.add_run_arguments(parser)
+    add_run_arguments(parser)
     parser.set_defaults(eval_every=10)
     return parser
 
@@ -123,11 +122,10 @@ def run_arm_study(argv: list[str], options, *, module: str, run_one, summarize) 
     """An arm study's ``main`` once its options are parsed and checked: ``--quick`` applied, then the runner over its
     configurations seed by seed (the arms of a seed next to each other), ``run_one(options, configuration, seed)``
     per run and ``summarize(store, options)``."""
-    from benchmarks import time_to_accuracy
-
+    from .demo import apply_quick
     from .runner import plan, run_study
 
-    time_to_accuracy.apply_quick(options)
+    apply_quick(options)
     run_study(
         argv,
         options,

@@ -18,8 +18,7 @@ from safetensors.torch import save_file
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
-from a3po_trl import builders
-from a3po_trl.checkpoints import checkpoint_problems, newest_complete_checkpoint, resolve_resume_checkpoint
+from a3po_trl.checkpoints import checkpoint_problems, newest_complete_checkpoint, resolve_resume_checkpoint, run_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHECKPOINTS = dict(save_strategy="steps", save_steps=1)
@@ -155,9 +154,9 @@ def test_a_path_given_as_resume_from_checkpoint_restores_the_generators_kept_ver
         loaded.append(directory)
         return real_load(directory)
 
-    real_load = builders.load_kept_versions
+    real_load = run_state.load_kept_versions
     resumed = make_trainer(tokenizer, tmp_path, **settings)
-    with mock.patch.object(builders, "load_kept_versions", load_kept_versions):
+    with mock.patch.object(run_state, "load_kept_versions", load_kept_versions):
         resumed.train(resume_from_checkpoint=Path(checkpoint))
     assert loaded == [str(checkpoint)] and real_load(loaded[0])
     assert resumed.state.global_step == 4

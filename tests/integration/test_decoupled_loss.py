@@ -104,7 +104,8 @@ def test_recompute_at_one_step_per_batch_trains_with_the_training_forward_and_to
         micro_batch["behavior_logps"] = micro_batch["behavior_logps"] + noise
     for reused in micro_batches:
         forward_based = dict(reused)
-        trainer.attach_proximal_logps([forward_based], 0, versions_training_batch=2)  # the separate forward
+        anchor = trainer.proximal_anchor
+        anchor.attach_proximal_logps(trainer, [forward_based], 0, versions_training_batch=2)  # the separate forward
         assert "recomputed_proximal_logps" in forward_based
         results = []
         for inputs in (reused, forward_based):

@@ -12,8 +12,10 @@ from tiny import digit_reward, length_reward, make_model, make_moe_model, make_p
 from trl import GRPOConfig, GRPOTrainer
 
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer, behavior_importance_weight
+from a3po_trl.losses import LossSettings
 from a3po_trl.metrics.deferred import resolve_metrics
 from a3po_trl.patches import align_position_ids_with_generation
+from a3po_trl.proximal import ProximalAnchor
 
 SETTINGS = dict(
     per_device_train_batch_size=4,
@@ -84,6 +86,11 @@ def _pair(tokenizer, tmp_path, options, method="loglinear"):
     return ours, theirs
 
 
+def _read_the_config_again(trainer):
+    """The loss's settings and anchor as ``trainer.args`` says now (the trainer reads them once, when it is built)."""
+    trainer.loss_settings, trainer.proximal_anchor = LossSettings.of(trainer), ProximalAnchor.from_config(trainer.args)
+
+
 def _compare(ours, theirs, inputs, trl_inputs):
     loss_ours = ours.compute_loss(ours.model, inputs)
     loss_ours.backward()
@@ -147,6 +154,7 @@ def test_off_policy_loss_is_grpo_trainers_with_proximal_old_policy_and_rho_corre
     ours, theirs = _pair(tokenizer, tmp_path, trl_options)
     ours.args.prox_logp_method, ours.args.behavior_weight_cap = "recompute", 1.2
     ours.args.behavior_weight_cap_mode = cap_mode
+    _read_the_config_again(ours)
     inputs, logps = first_batch_with_logps(ours)
     generator = torch.Generator().manual_seed(0)
     mask = inputs["completion_mask"]
@@ -193,6 +201,7 @@ def test_behavior_ablation_is_grpo_trainers_loss_against_stale_weights_without_c
     assert metrics["a3po/behavior_drift_per_version_mean"][-1] == pytest.approx(drift / 4, rel=1e-4)
 
     ours.args.prox_logp_method = "loglinear"  # anchor a quarter of the way from the behavior policy, rho != 1
+    _read_the_config_again(ours)
     assert not torch.allclose(ours.compute_loss(ours.model, inputs), theirs._compute_loss(theirs.model, trl_inputs))
     resolve_metrics(metrics)
     assert metrics["a3po/importance_weight_mean"][-1] != 1.0

@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 import a3po_trl
 from a3po_trl.metrics import deferred
 from a3po_trl.metrics.deferred import resolve_metrics
-from a3po_trl.timing import DeferredSeconds, IntervalTimer
+from a3po_trl.runtime.timing import DeferredSeconds, IntervalTimer
 
 #: Tensor methods that read a tensor's value on the host (each waits for the device on CUDA).
 _READS = ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__")
@@ -216,14 +216,18 @@ def test_interval_timer_records_cuda_events_and_reads_them_only_when_logged(monk
     assert isinstance(timer.take(), float)
 
 
-_TRAINING_PATH = ("losses.py", "training_batch.py", "builders.py", "trainer.py")  # and metrics/
+_TRAINING_PATH = ("losses.py", "training_batch.py", "builders/", "trainer.py", "metrics/", "proximal/")
 
 
 def test_no_device_wide_synchronize_in_the_training_path():
     """No ``torch.cuda.synchronize`` and no stream synchronize in the training path's source; an event's
     ``synchronize`` only where a logged time is read (:meth:`DeferredSeconds.seconds`)."""
     root = Path(a3po_trl.__file__).parent
-    files = [root / name for name in _TRAINING_PATH if name.endswith(".py")] + list((root / "metrics").glob("*.py"))
+    files = [
+        path
+        for name in _TRAINING_PATH
+        for path in ([root / name] if name.endswith(".py") else (root / name).glob("*.py"))
+    ]
     found = []
     for path in files:
         tree = ast.parse(path.read_text())

@@ -17,6 +17,7 @@ from helpers import COMMON, SWITCH_AFTER, Lockstep, logged, make_trainer
 from tiny import length_reward, make_model, make_prompts
 
 import a3po_trl.losses
+import a3po_trl.proximal.anchor
 import a3po_trl.trainer
 from a3po_trl import AsyncA3POConfig, AsyncA3POTrainer
 from a3po_trl.patches import peft_base_model
@@ -28,7 +29,7 @@ class LossRecorder:
     def __init__(self, monkeypatch):
         self.staleness_calls, self.interpolations = [], []
         token_staleness = a3po_trl.losses.token_staleness
-        approximate = a3po_trl.losses.approximate_proximal_logps
+        approximate = a3po_trl.proximal.anchor.approximate_proximal_logps
 
         def recorded_staleness(current_version, token_versions):
             staleness = token_staleness(current_version, token_versions)
@@ -41,7 +42,7 @@ class LossRecorder:
             return proximal
 
         monkeypatch.setattr(a3po_trl.losses, "token_staleness", recorded_staleness)
-        monkeypatch.setattr(a3po_trl.losses, "approximate_proximal_logps", recorded_interpolation)
+        monkeypatch.setattr(a3po_trl.proximal.anchor, "approximate_proximal_logps", recorded_interpolation)
 
 
 def decode_slowly_after_the_switch(trainer, lockstep: Lockstep, batch: int, seconds: float = 0.2) -> None:

@@ -1,5 +1,5 @@
-"""The exact reference of A-3PO's anchor (:mod:`a3po_trl.proximal_check`): the log-probs of the version one before
-the trained weights, computed by exchanging that version's trainable weights into the model for one forward."""
+"""The exact reference of A-3PO's anchor (:mod:`a3po_trl.proximal.previous_weights`): the log-probs of the version one
+before the trained weights, computed by exchanging that version's trainable weights into the model for one forward."""
 
 import copy
 
@@ -10,7 +10,7 @@ from peft import LoraConfig, get_peft_model
 from tiny import make_model
 from transformers import TrainerCallback
 
-from a3po_trl.proximal_check import PreviousVersionWeights
+from a3po_trl.proximal.previous_weights import PreviousVersionWeights
 
 
 class _ReferenceRecorder:

@@ -1,4 +1,4 @@
-"""``prox_logp_method="guarded"`` (:mod:`a3po_trl.proximal_guard`): the interpolation checked against its exact
+"""``prox_logp_method="guarded"`` (:mod:`a3po_trl.proximal.guard`): the interpolation checked against its exact
 target, the recomputed anchor while it is off by more than the budget, and back when a later check is within it."""
 
 import copy
@@ -18,8 +18,8 @@ from peft import LoraConfig
 from tiny import make_model
 from transformers import TrainerCallback
 
-import a3po_trl.losses
-from a3po_trl.proximal_guard import STATE_FILE, WEIGHTS_FILE
+import a3po_trl.proximal.anchor
+from a3po_trl.proximal.guard import STATE_FILE, WEIGHTS_FILE
 
 #: Two optimizer steps per generation batch (8 completions, 4 per micro-batch), each batch generated with the
 #: version before its first step: every trained token is 1 to 2 versions old; the batches 1, 2, ... are checked.
@@ -36,7 +36,9 @@ SETTINGS = dict(
 
 def _guarded(tokenizer, tmp_path, monkeypatch, wrong_steps=(), **overrides):
     trainer = make_trainer(tokenizer, tmp_path, **{**SETTINGS, **overrides})
-    monkeypatch.setattr(a3po_trl.losses, "approximate_proximal_logps", WrongInterpolation(trainer, wrong_steps))
+    monkeypatch.setattr(
+        a3po_trl.proximal.anchor, "approximate_proximal_logps", WrongInterpolation(trainer, wrong_steps)
+    )
     return trainer
 
 
@@ -52,7 +54,7 @@ def test_the_guard_switches_to_recompute_while_the_interpolation_is_wrong_and_ba
     relative = logged(trainer, "a3po/prox_check_error_relative")
     assert len(relative) == 4  # batches 1-4's checks settled (batch 5's when a batch 6 would be taken)
     assert relative[0] > 3.0 and relative[1] > 3.0 and relative[2] < 3.0 and relative[3] < 3.0
-    guard = trainer.proximal_guard
+    guard = trainer.proximal_anchor.guard
     assert (guard.checks, guard.switches, guard.recompute) == (4, 2, False)
     assert all(seconds >= 0 for seconds in logged(trainer, "a3po/prox_check_time"))
 
@@ -66,12 +68,13 @@ def test_a_batch_the_guard_sends_to_recompute_has_recompute_s_loss_and_the_other
     inputs = {**inputs, "token_versions": torch.ones_like(inputs["token_versions"]), "behavior_logps": logps - 0.8}
     inputs["advantages"] = torch.linspace(0.5, 1.0, inputs["advantages"].numel()).view_as(inputs["advantages"])
 
-    def loss(method, **tags):
+    def loss(method, guard_recompute=None):
         trainer = make_trainer(tokenizer, tmp_path / method, **{**SETTINGS, "prox_logp_method": method})
         trainer.state.global_step, trainer.current_gradient_accumulation_steps = 3, 1
         trainer.model.train()
-        micro_batch = {**inputs, **{k: torch.tensor(v) for k, v in tags.items()}}
-        return trainer.compute_loss(trainer.model, micro_batch).detach()
+        if guard_recompute is not None:  # the anchor the guard chose for the batch
+            trainer.proximal_anchor.guard.recompute = guard_recompute
+        return trainer.compute_loss(trainer.model, dict(inputs)).detach()
 
     recompute, loglinear = loss("recompute"), loss("loglinear")
     assert not torch.equal(recompute, loglinear)
@@ -91,7 +94,7 @@ def test_the_check_compares_with_the_forward_of_the_version_before_the_trained_w
             versions[state.global_step] = copy.deepcopy(trainer._unwrapped_model())
 
     trainer.add_callback(Copies())
-    reference = trainer.proximal_guard.reference
+    reference = trainer.proximal_anchor.guard.reference
 
     def recording(trainer_, model, inputs):
         logps = reference(trainer_, model, inputs)
@@ -99,7 +102,7 @@ def test_the_check_compares_with_the_forward_of_the_version_before_the_trained_w
             references.append((trainer_.state.global_step, dict(inputs), logps))
         return logps
 
-    trainer.proximal_guard.reference = recording
+    trainer.proximal_anchor.guard.reference = recording
     trainer.train()
     # batches 1 and 2 are checked, at steps 2-3 and 4-5; step 2's version before it (1) was kept at step 1's end
     assert [step for step, _, _ in references] == [2, 3, 4, 5]
@@ -112,7 +115,7 @@ def test_the_check_compares_with_the_forward_of_the_version_before_the_trained_w
             )[0]
         torch.testing.assert_close(logps, target, rtol=0, atol=0)
     # the kept weights are freed once no checked step follows
-    assert trainer.proximal_guard.previous.version is None
+    assert trainer.proximal_anchor.guard.previous.version is None
 
 
 def test_an_interval_checks_every_nth_batch_and_keeps_the_weights_only_for_them(tokenizer, tmp_path):
@@ -121,7 +124,7 @@ def test_an_interval_checks_every_nth_batch_and_keeps_the_weights_only_for_them(
 
     class Watch(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
-            kept.append(trainer.proximal_guard.previous.version)
+            kept.append(trainer.proximal_anchor.guard.previous.version)
 
     trainer.add_callback(Watch())
     trainer.train()
@@ -169,7 +172,7 @@ def test_with_lora_the_guard_keeps_only_the_adapters(tokenizer, tmp_path):
 
     class Watch(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
-            sizes.append(trainer.proximal_guard.previous.nbytes)
+            sizes.append(trainer.proximal_anchor.guard.previous.nbytes)
 
     trainer.add_callback(Watch())
     trainer.train()

@@ -11,10 +11,10 @@ from helpers import StopAt, logged, logged_after, make_trainer, model_weights
 from tiny import length_reward, make_model
 from transformers import GenerationConfig
 
-from a3po_trl import builders
-from a3po_trl.checkpoints.recomputed_anchor import FILE_NAME as RECOMPUTED_ANCHOR_FILE
+from a3po_trl.checkpoints import run_state
 from a3po_trl.generation import HFGenerateBackend, HFGenerationSettings
 from a3po_trl.generation.weights.version_checkpoint import load_kept_versions
+from a3po_trl.proximal.recomputed_anchor import FILE_NAME as RECOMPUTED_ANCHOR_FILE
 
 SETTINGS = dict(reproducible_generation=True, max_staleness=2, max_steps=6)
 #: What ``prox_logp_method="guarded"`` logs of its anchor and its checks.
@@ -163,7 +163,7 @@ def test_a_checkpoint_lacking_a_version_the_resumed_run_needs_is_refused_naming_
         return {0: load_kept_versions(directory)[0]}
 
     resumed = make_trainer(tokenizer, tmp_path, **{**settings, "max_steps": 4})
-    with mock.patch.object(builders, "load_kept_versions", as_an_older_version_kept_them):
+    with mock.patch.object(run_state, "load_kept_versions", as_an_older_version_kept_them):
         with pytest.raises(ValueError, match=r"versions \[1\], which the checkpoint does not keep .*max_staleness"):
             resumed.train(resume_from_checkpoint=True)
     assert resumed.last_batch_producer is None  # refused before the generation thread started

@@ -57,7 +57,7 @@ from tiny import (  # noqa: E402
 from a3po_trl import AsyncA3POTrainer  # noqa: E402
 from a3po_trl import trainer as trainer_module  # noqa: E402
 from a3po_trl import training_batch as training_batch_module  # noqa: E402
-from a3po_trl.distributed import teardown_registered  # noqa: E402
+from a3po_trl.runtime.distributed import teardown_registered  # noqa: E402
 
 #: ``--slow-rank``: the process group's timeout (``ddp_timeout``), and how much longer the slow process's generation
 #: takes once.

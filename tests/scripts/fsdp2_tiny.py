@@ -213,7 +213,7 @@ def train_and_check(out_dir, tokenizer, lora, with_extras=False):
         ids, mask, keep = fixed
         batch = {"prompt_ids": ids[:, :-keep], "completion_ids": ids[:, -keep:]}
         batch |= {"prompt_mask": mask[:, :-keep], "completion_mask": mask[:, -keep:]}
-        trainer.attach_proximal_logps([batch], batch_index=0, versions_training_batch=2)
+        trainer.proximal_anchor.attach_proximal_logps(trainer, [batch], batch_index=0, versions_training_batch=2)
         recomputed = batch["recomputed_proximal_logps"].cpu()
         report["recompute_max_abs_diff"] = (recomputed - trainer_logps.by_version[MAX_STEPS]).abs().max().item()
     if lora:

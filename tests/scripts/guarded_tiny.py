@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from helpers import WrongInterpolation, distributed_script_config, logged  # noqa: E402
 from tiny import length_reward, make_model, make_prompts, make_tokenizer  # noqa: E402
 
-import a3po_trl.losses  # noqa: E402
+import a3po_trl.proximal.anchor  # noqa: E402
 from a3po_trl import AsyncA3POTrainer  # noqa: E402
 
 
@@ -54,9 +54,9 @@ def main():
     )
 
     # wrong on purpose on process 1 only, while batch 1 trains
-    a3po_trl.losses.approximate_proximal_logps = WrongInterpolation(trainer, wrong_steps=(2, 3), process=1)
+    a3po_trl.proximal.anchor.approximate_proximal_logps = WrongInterpolation(trainer, wrong_steps=(2, 3), process=1)
     trainer.train()
-    guard = trainer.proximal_guard
+    guard = trainer.proximal_anchor.guard
     report = {
         "rank": trainer.accelerator.process_index,
         "recompute": logged(trainer, "a3po/prox_recompute_fraction"),

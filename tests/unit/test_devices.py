@@ -6,9 +6,9 @@ import contextlib
 
 import torch
 
-from a3po_trl.devices import explicit_device, same_device, wait_for_copies
 from a3po_trl.generation import BatchProducer, GenerationBackend
 from a3po_trl.generation.weights import ParameterGather, StagingLayout, VersionedWeights
+from a3po_trl.runtime.devices import explicit_device, same_device, wait_for_copies
 from a3po_trl.types import ScoredBatch
 
 
@@ -116,7 +116,7 @@ def test_waiting_for_copies_waits_on_every_cuda_device_named_and_ignores_the_hos
 def test_the_generation_stream_is_requested_at_high_priority(monkeypatch):
     """On CUDA the generation thread's stream outranks the training stream (priority 0): its decode kernels do not
     queue behind training's. What a CPU machine can show: the stream is asked for at that priority, on that device."""
-    from a3po_trl import devices
+    from a3po_trl.runtime import devices
 
     requested = []
     monkeypatch.setattr(devices.torch.cuda, "Stream", lambda device, priority=0: requested.append((device, priority)))
@@ -161,7 +161,7 @@ class FakeEvents:
 
 
 def test_a_stream_fence_records_on_the_current_streams_and_is_waited_for_by_a_stream_or_by_the_host(monkeypatch):
-    from a3po_trl.devices import StreamFence
+    from a3po_trl.runtime.devices import StreamFence
 
     fake = FakeEvents(monkeypatch)
     fence = StreamFence.record([torch.device("cpu"), torch.device("cuda"), torch.device("cuda:0")])

@@ -20,10 +20,7 @@ LAYERS = {
     "a3po_trl.timeline": 1,  # the span recorder both threads write to
     "a3po_trl.timeline.plot": 7,  # draws a trace (matplotlib, imported lazily)
     "a3po_trl.patches": 1,
-    "a3po_trl.distributed": 1,
-    "a3po_trl.devices": 1,
-    "a3po_trl.timing": 1,  # device work timed by events, read when logged (both threads)
-    "a3po_trl.proximal_check": 1,  # a weight version's log-probs: the exact target of the interpolation
+    "a3po_trl.runtime": 1,  # devices, device work timed by events (both threads), the process group's agreements
     "a3po_trl.generation.weights": 2,  # the weight path: gather, dtype, staging store, copies, memory plan
     "a3po_trl.generation": 3,  # the batch producer, the queue, the schedule, the backend interface
     "a3po_trl.generation.hf": 4,
@@ -31,11 +28,11 @@ LAYERS = {
     "a3po_trl.generation.__init__": 5,  # exports the default backend
     "a3po_trl.rollout": 6,
     "a3po_trl.metrics": 6,  # what is logged: batch.py, loss.py (pure functions of tensors)
-    "a3po_trl.losses": 7,
-    "a3po_trl.proximal_guard": 7,  # prox_logp_method="guarded": the checks and the anchor they choose
+    "a3po_trl.proximal": 7,  # the proximal anchor: the methods, the guard, the previous version's weights
+    "a3po_trl.losses": 8,
     "a3po_trl.validation": 7,
+    "a3po_trl.builders": 7,  # what the generation thread needs, read off the trainer once, by concern
     "a3po_trl.checkpoints": 8,  # complete folders, atomic saves, the resume decision; reads trainer internals
-    "a3po_trl.builders": 8,  # the one module that reads trainer internals to build what the thread needs
     "a3po_trl.training_batch": 8,  # the main thread's half of the batch path: a scored batch becomes a training batch
     "a3po_trl.checkpoints.run_state": 9,  # what a checkpoint keeps of the run beyond Trainer's (reads the builders')
     "a3po_trl.trainer": 10,

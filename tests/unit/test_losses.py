@@ -1,21 +1,21 @@
-"""The proximal methods' table (a3po_trl/losses.py): one entry per option, and when ``recompute`` pays a forward."""
+"""The proximal methods' table (a3po_trl/proximal/methods.py): one entry per option, and when ``recompute`` pays a
+forward."""
 
 import pytest
-import torch
 
 from a3po_trl import PROXIMAL_METHODS
-from a3po_trl.losses import PROXIMAL_METHOD_TABLE, batch_method, needs_recompute_forward
+from a3po_trl.proximal import PROXIMAL_METHOD_TABLE, batch_method, needs_recompute_forward
 
 
 def test_every_proximal_method_resolves_to_an_entry_and_every_entry_is_reached():
-    reached = {batch_method(method, {}) for method in PROXIMAL_METHODS}
-    reached |= {batch_method("guarded", {"guard_recompute": torch.tensor(flag)}) for flag in (False, True)}
+    reached = {batch_method(method) for method in PROXIMAL_METHODS}
+    reached |= {batch_method("guarded", recompute=flag) for flag in (False, True)}
     assert reached == set(PROXIMAL_METHOD_TABLE)
 
 
 def test_a_guarded_batch_trains_with_the_anchor_its_guard_chose():
-    assert batch_method("guarded", {"guard_recompute": torch.tensor(True)}) == "guarded-recompute"
-    assert batch_method("guarded", {"guard_recompute": torch.tensor(False)}) == "guarded-loglinear"
+    assert batch_method("guarded", recompute=True) == "guarded-recompute"
+    assert batch_method("guarded", recompute=False) == "guarded-loglinear"
     assert PROXIMAL_METHOD_TABLE["guarded-recompute"].anchor == PROXIMAL_METHOD_TABLE["recompute"].anchor
     assert PROXIMAL_METHOD_TABLE["guarded-loglinear"] == PROXIMAL_METHOD_TABLE["loglinear"]
     assert all(PROXIMAL_METHOD_TABLE[f"guarded-{anchor}"].interpolates for anchor in ("loglinear", "recompute"))

@@ -1,4 +1,4 @@
-"""The recomputed proximal anchor kept with a checkpoint inside a batch (a3po_trl/checkpoints/recomputed_anchor.py):
+"""The recomputed proximal anchor kept with a checkpoint inside a batch (a3po_trl/proximal/recomputed_anchor.py):
 written only inside a batch that carries one, attached again only to the same batch's same sequences."""
 
 import logging
@@ -7,12 +7,9 @@ from types import SimpleNamespace
 import torch
 
 from a3po_trl.builders import RunPlan
-from a3po_trl.checkpoints.recomputed_anchor import (
-    inside_a_batch,
-    restore_recomputed_anchor,
-    save_recomputed_anchor,
-)
 from a3po_trl.generation.schedule import MicroStep, PlannedBatch
+from a3po_trl.proximal import ProximalAnchor
+from a3po_trl.proximal.recomputed_anchor import inside_a_batch, restore_recomputed_anchor, save_recomputed_anchor
 
 #: Two micro-steps per generation batch, one optimizer step each: batch 0 trains versions 0 and 1, batch 1 2 and 3.
 PLAN = RunPlan([MicroStep(0, position, position) for position in range(4)], [], micro_steps_per_batch=2)
@@ -37,15 +34,19 @@ def _micro_batches(completion_offset=0, anchored=True):
 def _trainer(directory, micro_batches=None, micro_steps_done=3, method="recompute"):
     accelerator = SimpleNamespace(process_index=0, num_processes=1, is_main_process=True, device="cpu")
     return SimpleNamespace(
-        args=SimpleNamespace(prox_logp_method=method),
+        proximal_anchor=ProximalAnchor(method),
         accelerator=accelerator,
-        _resume_checkpoint=str(directory),
+        checkpoint=str(directory),
         _buffered_inputs=micro_batches,
         _batch_order={"epoch": 0, "index_in_epoch": 1, "permutation": [0, 1, 2, 3]},
         _plan=PLAN,
         _step=micro_steps_done,
         _run_start_step=0,
     )
+
+
+def _restore(trainer, planned, micro_batches):
+    return restore_recomputed_anchor(trainer, trainer.checkpoint, planned, micro_batches)
 
 
 def _resumed_batch(index_in_epoch=1, first_offset=1):
@@ -71,7 +72,7 @@ def test_the_kept_anchor_is_attached_to_the_same_sequences_of_the_same_batch(tmp
     kept = _micro_batches()
     save_recomputed_anchor(_trainer(tmp_path, kept), str(tmp_path))
     regenerated = _micro_batches(anchored=False)
-    assert restore_recomputed_anchor(_trainer(tmp_path), _resumed_batch(), regenerated)
+    assert _restore(_trainer(tmp_path), _resumed_batch(), regenerated)
     for batch, original in zip(regenerated, kept):
         assert torch.equal(batch["recomputed_proximal_logps"], original["recomputed_proximal_logps"])
         assert batch["recompute_version"].tolist() == [2, 2]
@@ -80,17 +81,17 @@ def test_the_kept_anchor_is_attached_to_the_same_sequences_of_the_same_batch(tmp
 def test_the_kept_anchor_is_not_attached_where_it_does_not_belong(tmp_path, caplog):
     save_recomputed_anchor(_trainer(tmp_path, _micro_batches()), str(tmp_path))
     not_resumed_inside = _micro_batches(anchored=False)
-    assert not restore_recomputed_anchor(_trainer(tmp_path), _resumed_batch(first_offset=0), not_resumed_inside)
+    assert not _restore(_trainer(tmp_path), _resumed_batch(first_offset=0), not_resumed_inside)
     interpolating = _micro_batches(anchored=False)
-    assert not restore_recomputed_anchor(_trainer(tmp_path, method="loglinear"), _resumed_batch(), interpolating)
+    assert not _restore(_trainer(tmp_path, method="loglinear"), _resumed_batch(), interpolating)
     assert not caplog.records  # neither needs the anchor: nothing to say
     with caplog.at_level(logging.WARNING):
         generated_anew = _micro_batches(completion_offset=1, anchored=False)
-        assert not restore_recomputed_anchor(_trainer(tmp_path), _resumed_batch(), generated_anew)
+        assert not _restore(_trainer(tmp_path), _resumed_batch(), generated_anew)
         assert "generated anew" in caplog.text and "reproducible_generation=False" in caplog.text
         another_batch = _micro_batches(anchored=False)
-        assert not restore_recomputed_anchor(_trainer(tmp_path), _resumed_batch(index_in_epoch=2), another_batch)
-        assert not restore_recomputed_anchor(_trainer(tmp_path / "elsewhere"), _resumed_batch(), another_batch)
+        assert not _restore(_trainer(tmp_path), _resumed_batch(index_in_epoch=2), another_batch)
+        assert not _restore(_trainer(tmp_path / "elsewhere"), _resumed_batch(), another_batch)
         assert "holds no recomputed anchor" in caplog.text
     for batch in not_resumed_inside + interpolating + generated_anew + another_batch:
         assert "recomputed_proximal_logps" not in batch

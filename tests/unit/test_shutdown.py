@@ -1,4 +1,4 @@
-"""Process-group teardown at exit (a3po_trl/distributed.py), in a one-process gloo group."""
+"""Process-group teardown at exit (a3po_trl/runtime/distributed.py), in a one-process gloo group."""
 
 import atexit
 import threading
@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 from helpers import free_port
 
-from a3po_trl import distributed
+from a3po_trl.runtime import distributed
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """The staging store orders the two threads' copies by events, with no host wait on the training thread (issue 57,
-item 6). On CPU the fences are logged by a stand-in for :class:`~a3po_trl.devices.StreamFence` (the real one is
+item 6). On CPU the fences are logged by a stand-in for :class:`~a3po_trl.runtime.devices.StreamFence` (the real one is
 tested against fake CUDA events in ``test_devices.py``): what is recorded, and who waits for it, on a stream or on
 the host, in which order against the copies and the loads."""
 
@@ -127,7 +127,7 @@ def test_a_server_reading_a_held_version_on_the_host_waits_for_its_fill(monkeypa
 def test_a_publication_returns_its_seconds_and_on_cuda_reads_them_from_events_at_log_time(tokenizer):
     from tiny import make_model
 
-    from a3po_trl.timing import DeferredSeconds
+    from a3po_trl.runtime.timing import DeferredSeconds
 
     model = make_model(tokenizer)
     names = [name for name, _ in model.named_parameters()]

@@ -35,9 +35,9 @@ from torch import nn
 from transformers import GenerationConfig, StoppingCriteriaList
 
 from ...config import BEHAVIOR_LOGPS_SOURCES
-from ...devices import explicit_device, module_device, same_device, wait_for_copies
 from ...padding import pad_rows
 from ...patches import peft_base_model
+from ...runtime.devices import explicit_device, module_device, same_device, wait_for_copies
 from ...types import GeneratedCompletions, GenerationStopped
 from ..backend import GenerationBackend
 from ..weights import StagingLayout, VersionedWeights, as_parameter_gather

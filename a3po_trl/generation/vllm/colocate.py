@@ -36,7 +36,7 @@ import uuid
 import torch
 from torch import nn
 
-from ...devices import explicit_device, wait_for_copies
+from ...runtime.devices import explicit_device, wait_for_copies
 from ...types import GenerationStopped
 from ..backend import GenerationBackend
 from ..weights import VersionedWeights, as_parameter_gather, vllm_weight_name

@@ -33,8 +33,8 @@ import tempfile
 
 import torch
 
-from ...devices import explicit_device
 from ...patches import peft_base_model
+from ...runtime.devices import explicit_device
 from ..weights import as_parameter_gather, checkpoint_dtype, generator_dtype, vllm_weight_name
 from ..weights.precision import bf16_supported, vllm_dtype_name
 from ..weights.store import staged_dtype

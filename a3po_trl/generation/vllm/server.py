@@ -48,7 +48,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 import torch
 from torch import nn
 
-from ...devices import explicit_device
+from ...runtime.devices import explicit_device
 from ...types import GenerationStopped
 from ..backend import GenerationBackend
 from ..weights import VersionedWeights, as_parameter_gather, vllm_weight_name

@@ -1,39 +1,10 @@
 """What the generator adds to each process's memory, estimated before anything is built; refused when it cannot fit.
 
-The estimate needs only parameter counts and dtypes, so it runs on the meta device (a 7B model's plan costs nothing)
-and, in a run, before the generator's copy, staging buffers or engine exist. It lists, per process:
-
-- the generator's own copy of the weights (``generate``: the trainable ones, or the whole model when the training
-  weights are sharded or the generator is on another device; vLLM: a private merge copy for LoRA configs vLLM cannot
-  serve as adapters);
-- the vLLM engine (colocate): on a GPU the share of the GPU it reserves (``vllm_gpu_memory_utilization``), which must
-  hold its weights in the engine's dtype; on CPU its weights;
-- the staging buffers, one set of the trainable weights per version held (more with ``reproducible_generation``), on
-  the generation device (``generate``), in pinned host memory (vLLM server), and for colocated vLLM on the GPU when
-  the copy fits beside the engine and training's state with :data:`DEVICE_STAGING_RESERVE` of the GPU left for
-  activations, else in pinned host memory (:func:`plan_generator_memory_choosing_staging`: the choice is logged and
-  kept as :attr:`GeneratorMemoryPlan.staging_device`);
-- ``generate`` (in the pool of the generation thread's stream: torch's caching allocator reuses a block only on the
-  stream that freed it, so what generation frees never serves training's activations, nor the reverse): the KV cache
-  of a generation batch's completion tokens (prompts add theirs: TRL sets no prompt length) and its sampling logits;
-- what training has not allocated yet when the generator is built (at the first step): gradients and the optimizer's
-  states, sharded as the run shards them; under half-precision autocast with float32 weights (unsharded), the
-  half-precision copies autocast keeps of them through each forward and backward. Activations are not counted.
-
-``generate`` and colocated vLLM on a GPU stage on the GPU only when that leaves :data:`DEVICE_STAGING_RESERVE` of it
-free for what the plan does not count, otherwise in pinned host memory (for full fine-tuning at 7B in bf16, 14.2 GiB
-less on the GPU; the version then crosses PCIe twice, see docs/GPU.md); a plan left under that reserve even so is
-logged with a warning and the settings that lower it (:meth:`GeneratorMemoryPlan.reserve_warning`), not refused.
-
-On CUDA the device total is compared with the memory free at that moment, counting what torch's caching allocator
-holds but has not handed out as free (:func:`free_device_memory`); pinned host staging, times the processes on the
-node (``LOCAL_WORLD_SIZE``), is compared with the host memory available (:func:`available_host_memory`). A plan that
-cannot fit is refused with the numbers and the settings that lower it (:class:`GeneratorMemoryError`). On CPU it is
-only logged.
-
-What a GPU check measures against: :attr:`GeneratorMemoryPlan.device_bytes` (predicted bytes on the generation
-device, per process), :attr:`GeneratorMemoryPlan.pinned_host_bytes` (predicted page-locked host bytes, per process),
-:attr:`GeneratorMemoryPlan.staging_location`, and :meth:`GeneratorMemoryPlan.figures` (all of them, JSON-ready).
+From parameter counts and dtypes alone (on the meta device: a 7B model's plan costs nothing), per process: the
+generator's own copy, the vLLM engine, the staging buffers (where colocated vLLM stages is chosen here:
+:func:`plan_generator_memory_choosing_staging`), ``generate``'s KV cache and logits, and what training has not
+allocated yet. On CUDA a plan that cannot fit is refused (:class:`GeneratorMemoryError`); on CPU it is only logged.
+What it counts, and why: docs/ARCHITECTURE.md, "The generator's memory plan".
 """
 
 from __future__ import annotations

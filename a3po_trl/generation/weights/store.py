@@ -14,12 +14,12 @@ it, and publishes it under the lock again; a reader marks a version's set as in 
 without it, and releases it. A publication that needs the set a reader uses waits for the reader (on a condition,
 the lock released), and a reader that wants a version being written waits for the publication.
 
-On CUDA neither thread's host waits for the other's copies (:class:`~a3po_trl.devices.StreamFence`): a fill records
-an event after its copies on the main thread's stream, and a reader's stream waits for it before loading; a reader
-records an event after its load, and the next fill of the same set makes the main thread's stream wait for it before
-overwriting the buffers. The training thread queues the copies and goes on (the optimizer step before them and the
-copies themselves run on the device meanwhile). A reader that reads the buffers on the host (a file written for a vLLM
-server, a checkpoint's copy, an engine loading on streams of its own) waits for the fill's event on its own host
+On CUDA neither thread's host waits for the other's copies (:class:`~a3po_trl.runtime.devices.StreamFence`): a fill
+records an event after its copies on the main thread's stream, and a reader's stream waits for it before loading; a
+reader records an event after its load, and the next fill of the same set makes the main thread's stream wait for it
+before overwriting the buffers. The training thread queues the copies and goes on (the optimizer step before them and
+the copies themselves run on the device meanwhile). A reader that reads the buffers on the host (a file written for a
+vLLM server, a checkpoint's copy, an engine loading on streams of its own) waits for the fill's event on its own host
 thread instead.
 
 Each version is one allocation (:class:`StagingLayout`): a flat byte buffer with one view per weight, each at an
@@ -46,8 +46,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...devices import StreamFence
-from ...timing import DeferredSeconds, IntervalTimer
+from ...runtime.devices import StreamFence
+from ...runtime.timing import DeferredSeconds, IntervalTimer
 from .gather import ParameterGather
 
 logger = logging.getLogger(__name__)

@@ -1,25 +1,9 @@
-"""``prox_logp_method="guarded"``: A-3PO's interpolation, checked against its exact target, and the recomputed anchor
-while the check finds it too far off.
-
-Every ``prox_check_interval`` generation batches (the run's batches ``1, 1 + N, 1 + 2N, ...``, numbered from the
-first batch of the first epoch, so a resumed run checks the batches an uninterrupted one checks) the guard measures,
-at every micro-step of that batch, the interpolation ``w b + (1 - w) c`` against the exact log-probs ``t`` of the
-version it targets, one before the trained weights (:mod:`a3po_trl.proximal_check`: that version's trainable weights
-are kept at the last micro-step that trains them, before its forward, only when the next step trains a checked batch,
-and exchanged in for one no-grad forward). Over the checked batch's tokens of staleness ``d >= 1`` on every process
-(:func:`~a3po_trl.functional.interpolation_check_sums`), the check's error is the mean ``|w b + (1 - w) c - t|`` in
-nats, and its relative error that over the mean ``|c - t|``, one optimizer step's drift on the same tokens: 1.0 is an
-anchor as far from the target as the trained weights themselves, at any learning rate.
-
-When the trainer takes the next batch, the check is settled (one sum over processes, one read on the host, the same
-decision everywhere): a relative error above ``prox_error_budget`` makes every batch from then on train with
-``recompute``'s anchor (the weights of the batch's first optimizer step: a no-grad forward per batch where the batch
-spans several optimizer steps, the training forward's own log-probs otherwise), one within budget makes them train
-with the interpolation again. A check that measured no token (every token on-policy) leaves the anchor as it was.
-
-The state (the anchor in use, the check in progress, the counts, and the kept weights when a checked micro-step
-follows) goes into every checkpoint, one file per process, so that a resumed run continues with the decisions an
-uninterrupted run makes; resumed inside a batch, it goes on with that batch's check, settled with the next batch.
+"""``prox_logp_method="guarded"``: A-3PO's interpolation, checked every ``prox_check_interval`` generation batches
+against its exact target (the log-probs of the version one before the trained weights:
+:mod:`a3po_trl.proximal.previous_weights`), and the recomputed anchor while the check's error, relative to one
+optimizer step's drift (:func:`~a3po_trl.functional.interpolation_check_sums`), exceeds ``prox_error_budget``. The
+state goes into every checkpoint, one file per process. What it measures, decides and costs: docs/ARCHITECTURE.md,
+"The guarded proximal method".
 """
 
 from __future__ import annotations
@@ -31,10 +15,10 @@ import os
 
 import torch
 
-from .functional import interpolation_check_sums, interpolation_check_verdict
-from .generation.schedule import PlannedBatch
-from .proximal_check import PreviousVersionWeights
-from .timing import IntervalTimer
+from ..functional import interpolation_check_sums, interpolation_check_verdict
+from ..generation.schedule import PlannedBatch
+from ..runtime.timing import IntervalTimer
+from .previous_weights import PreviousVersionWeights
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +34,8 @@ class ProximalGuard:
         self.budget = budget
         self.recompute = False
         """Whether the batches taken from now on train with the recomputed anchor."""
+        self.checking = False
+        """Whether the batch in training is checked."""
         self.checks = 0
         """Checks settled that measured at least one token."""
         self.switches = 0
@@ -70,9 +56,8 @@ class ProximalGuard:
         number = self.batch_number(planned)
         return number >= 1 and (number - 1) % self.interval == 0
 
-    def start_run(self, plan, steps_in_epoch: int, checkpoint: str | None, process_index: int, device) -> None:
-        """Read the run's plan (which versions train checked batches), and a resumed run's state from its
-        checkpoint."""
+    def start_run(self, plan, steps_in_epoch: int) -> None:
+        """Read the run's plan: which versions train checked batches."""
         self._batches_per_epoch = max(1, math.ceil(steps_in_epoch / plan.micro_steps_per_batch))
         self._checked_versions = frozenset(
             version
@@ -80,10 +65,6 @@ class ProximalGuard:
             if self.is_checked(batch)
             for version in range(batch.first_version, batch.last_version + 1)
         )
-        if checkpoint is not None:
-            self.load(checkpoint, process_index)
-        if self._pending is not None:
-            self._pending = self._pending.to(device)
 
     def keep_if_due(self, model: torch.nn.Module, version: int) -> None:
         """On the last micro-step of version ``version``, before its forward: keep its trainable weights if the next
@@ -94,15 +75,16 @@ class ProximalGuard:
             self.previous.forget()
 
     # ---- a batch ----------------------------------------------------------------------------------------------
-    def begin_batch(self, planned: PlannedBatch, accelerator) -> tuple[bool, bool, dict[str, float]]:
+    def begin_batch(self, planned: PlannedBatch, accelerator) -> dict[str, float]:
         """When the trainer takes a batch: settle the check in progress, if any (on every process together), and
-        return ``(recompute, checked, metrics)``: the anchor the batch trains with, whether it is checked, and the
-        settled check's metrics. The first batch of a run resumed inside it (``first_offset > 0``) settles nothing:
-        the check in progress is its own, restored from the checkpoint, and settles with the next batch, over all its
-        micro-steps, as in the uninterrupted run."""
+        return the settled check's metrics; from then on ``recompute`` is the anchor the batch trains with and
+        ``checking`` whether it is checked. The first batch of a run resumed inside it (``first_offset > 0``) settles
+        nothing: the check in progress is its own, restored from the checkpoint, and settles with the next batch, over
+        all its micro-steps, as in the uninterrupted run."""
         resumed_inside = planned.first_offset > 0
         metrics = self._settle(accelerator) if self._pending is not None and not resumed_inside else {}
-        return self.recompute, self.is_checked(planned), metrics
+        self.checking = self.is_checked(planned)
+        return metrics
 
     def reference(self, trainer, model, inputs: dict) -> torch.Tensor | None:
         """Before a training micro-step's forward: the exact target's log-probs of its micro-batch if its batch is
@@ -111,7 +93,7 @@ class ProximalGuard:
         DeepSpeed steps its optimizer inside the backward that follows), keep them if the next step is checked."""
         version = trainer.state.global_step
         logps = None
-        if bool(inputs.get("prox_check", False)) and self.previous.version == version - 1:
+        if self.checking and self.previous.version == version - 1:
             with self.timer.time(trainer.accelerator.device):
                 logps = self.previous.logps(trainer, model, inputs, trainer._unwrapped_model())
         if trainer.accelerator.sync_gradients:
@@ -164,7 +146,9 @@ class ProximalGuard:
         with open(os.path.join(directory, STATE_FILE.format(rank=process_index)), "w") as file:
             json.dump(self.state_dict(), file)
 
-    def load(self, directory: str, process_index: int) -> None:
+    def load(self, directory: str, process_index: int, device) -> None:
+        """Take back what :meth:`save` wrote into ``directory`` (the check in progress onto ``device``); a checkpoint
+        without it leaves the guard as it is, with a warning."""
         path = os.path.join(directory, STATE_FILE.format(rank=process_index))
         if not os.path.exists(path):
             logger.warning(
@@ -177,7 +161,8 @@ class ProximalGuard:
             state = json.load(file)
         self.recompute, self.checks, self.switches = state["recompute"], state["checks"], state["switches"]
         self.last_error, self.last_relative = state["last_error"], state["last_relative"]
-        self._pending = None if state["pending"] is None else torch.tensor(state["pending"], dtype=torch.float64)
+        pending = None if state["pending"] is None else torch.tensor(state["pending"], dtype=torch.float64)
+        self._pending = None if pending is None else pending.to(device)
         if state["kept_version"] is not None:
             weights = os.path.join(directory, WEIGHTS_FILE.format(rank=process_index))
             kept = torch.load(weights, map_location="cpu", weights_only=True)

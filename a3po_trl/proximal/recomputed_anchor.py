@@ -3,7 +3,7 @@ that a run resumed there trains the rest of the batch with the anchor the uninte
 
 The methods that anchor at the current weights (``recompute``, ``metrics``, and ``guarded`` while its guard chose the
 recomputed anchor) train a batch spanning several optimizer steps with the log-probs of the weights of its first
-step, computed by one no-grad forward at its first micro-step (:mod:`a3po_trl.losses`) and carried by its buffered
+step, computed by one no-grad forward at its first micro-step (:mod:`.anchor`) and carried by its buffered
 micro-batches as ``recomputed_proximal_logps`` and ``recompute_version``. A run resumed inside the batch starts at a
 later micro-step, with newer weights: computing the anchor there would give the rest of the batch another one. So
 every process writes its micro-batches' anchors (``a3po_recomputed_anchor-rank<process>.pt``, with a digest of the
@@ -22,8 +22,6 @@ import os
 
 import torch
 from accelerate.utils import gather_object
-
-from ..losses import PROXIMAL_METHOD_TABLE, batch_method
 
 logger = logging.getLogger(__name__)
 
@@ -99,17 +97,17 @@ def _kept_anchor(directory: str | None, process_index: int, planned, micro_batch
     return kept, None
 
 
-def restore_recomputed_anchor(trainer, planned, micro_batches: list[dict]) -> bool:
+def restore_recomputed_anchor(trainer, checkpoint: str | None, planned, micro_batches: list[dict]) -> bool:
     """For the first batch of a run resumed inside it (``planned.first_offset > 0``) that anchors at the weights of
-    its first optimizer step: attach the checkpoint's kept anchor to ``micro_batches`` where it belongs to their
+    its first optimizer step: attach ``checkpoint``'s kept anchor to ``micro_batches`` where it belongs to their
     sequences on every process (all processes decide together: the recompute forward the others would skip is a
     collective under ZeRO-3 and FSDP2). Otherwise warns once, and the loss anchors at the resumed weights. Returns
     whether it attached."""
-    method = batch_method(trainer.args.prox_logp_method, micro_batches[0])
-    if planned.first_offset == 0 or PROXIMAL_METHOD_TABLE[method].anchor != "current":
+    anchor = trainer.proximal_anchor
+    if planned.first_offset == 0 or anchor.entry.anchor != "current":
         return False
     accelerator = trainer.accelerator
-    kept, why_not = _kept_anchor(trainer._resume_checkpoint, accelerator.process_index, planned, micro_batches)
+    kept, why_not = _kept_anchor(checkpoint, accelerator.process_index, planned, micro_batches)
     if accelerator.num_processes > 1:
         reasons = [reason for reason in gather_object([why_not]) if reason is not None]
         why_not = reasons[0] if reasons else None
@@ -121,7 +119,7 @@ def restore_recomputed_anchor(trainer, planned, micro_batches: list[dict]) -> bo
                 "resumed weights instead (set reproducible_generation=True to resume bit for bit).",
                 planned.index_in_epoch,
                 planned.epoch,
-                trainer.args.prox_logp_method,
+                anchor.method,
                 why_not,
             )
         return False
