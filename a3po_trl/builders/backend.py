@@ -239,7 +239,7 @@ def vllm_sampling_settings(trainer) -> VLLMSamplingSettings:
 
 
 def _build_vllm_backend(trainer, staging_device: torch.device | None = None) -> GenerationBackend:
-    from .generation.vllm.make_backend import build_vllm_backend
+    from ..generation.vllm.make_backend import build_vllm_backend
 
     args = trainer.args
     module = trainer._unwrapped_model()
@@ -248,7 +248,7 @@ def _build_vllm_backend(trainer, staging_device: torch.device | None = None) -> 
     if args.vllm_mode == "server" and processes > 1 and active_lora(module) is None:
         # one full-weight server for every process: they agree on the version it holds through the process group's
         # store (built here, in the main thread, every process together)
-        from .generation.vllm.shared_server import SharedServerVersions
+        from ..generation.vllm.shared_server import SharedServerVersions
 
         shared = SharedServerVersions(
             private_store("a3po-vllm-server"),
