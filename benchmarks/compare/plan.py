@@ -96,7 +96,7 @@ def _counts(variant: str) -> tuple[int, int | None]:
     return int(match[1]), int(match[2]) if match[2] else None
 
 
-def _split_variant(name: str) -> tuple[str, tuple[int, int | None] | None]:
+def split_variant(name: str) -> tuple[str, tuple[int, int | None] | None]:
     """A configuration name and its thread variant, if it has one (``loglinear-s1-t2g2`` -> ``loglinear-s1``)."""
     head, _, tail = name.rpartition("-")
     if (head.startswith("pieces-") or re.search(r"-s\d+$", head)) and THREAD_VARIANT.match(tail):
@@ -130,7 +130,7 @@ def config_for(name: str, seed: int, options) -> dict:
     cpu = options.device == "cpu"
     sync_threads = options.sync_threads or os.cpu_count() or 1
     config = {"name": name, "run_id": f"{name}@seed{seed}", "seed": seed}
-    name, variant = _split_variant(name)
+    name, variant = split_variant(name)
     training_threads, generation_threads = variant or (options.training_threads, options.generation_threads)
     if name == "microbench":
         threads = sorted({options.training_threads, sync_threads}) if cpu else [None]

@@ -15,7 +15,7 @@ from benchmarks.common.runner import Cell, RunStore
 
 from .analysis import evaluate_targets, pipeline_analysis, reward_comparison
 from .metrics import aggregate, summarize_run
-from .plan import config_names
+from .plan import config_names, split_variant
 
 
 def profile_summary(path: str) -> dict | None:
@@ -142,17 +142,35 @@ def report_provenance(started: str, runs: list[dict], meta: dict, env: dict) -> 
 
     foreign = [run["foreign_cpu_frac"] for run in runs if run.get("foreign_cpu_frac") is not None]
     threads = meta["threads"]
+    training, generation = (_chosen(threads[f"a3po_{role}"], role, runs) for role in ("training", "generation"))
     block = provenance(
         datetime.datetime.fromisoformat(started).astimezone(datetime.timezone.utc),
-        thread_roles(threads["a3po_training"], threads["a3po_generation"], threads["trl"]),
+        thread_roles(training, generation, threads["trl"]),
         max(foreign) if foreign else None,
         wait_policy=(env.get("env") or {}).get("OMP_WAIT_POLICY") or "unset",
     )
+    for role, count in (("training", training), ("generation", generation)):
+        if count is None and threads[f"a3po_{role}"] == 0:  # the library's choice, not seen agreeing in the runs
+            block["unrecorded"].append(f"threads.{role}")
     block["notes"] = [
         "foreign_cpu_frac: the largest of its runs'",
         "threads: training and generation the asynchronous trainer's, process TRL GRPOTrainer's",
     ]
     return block
+
+
+def _chosen(option: int | None, role: str, runs: list[dict]) -> int | None:
+    """A thread count of the options as it ran: 0 (the library's default) is the count ``train()`` chose, as the
+    asynchronous runs at the options' counts (no thread variant) recorded it in their blocks; None where they do not
+    agree or there are none."""
+    if option != 0:
+        return option
+    chosen = {
+        run["provenance"]["threads"][role]
+        for run in runs
+        if run.get("kind") == "a3po" and run.get("provenance") and split_variant(run["name"])[1] is None
+    }
+    return chosen.pop() if len(chosen) == 1 else None
 
 
 def ordered_records(records: list[dict]) -> list[dict]:

@@ -122,3 +122,25 @@ def test_the_compiled_decode_writer_keeps_each_repetition_and_its_provenance(tmp
             assert figures["min"] == min(figures["all"]) and figures["max"] == max(figures["all"])
     block = validate(report["provenance"], "compiled-decode.json")
     assert block["threads"] == {"training": None, "generation": None, "process": 1} and block["unrecorded"] == []
+
+
+def test_a_compare_reports_block_has_the_counts_train_chose_where_the_options_left_them_to_the_library():
+    """``--generation-threads 0 --training-threads 0``: the report's block says what the asynchronous runs at those
+    options recorded (not 0), and that it does not know where they disagree."""
+    from benchmarks.compare.report import report_provenance
+
+    def run(name, kind, training, generation):
+        block = provenance.provenance(0.0, thread_roles(training, generation, 2), 0.0, commit=("abc", False))
+        return {"name": name, "kind": kind, "foreign_cpu_frac": 0.0, "provenance": block}
+
+    meta = {"threads": {"a3po_training": 0, "a3po_generation": 0, "trl": 2}}
+    runs = [run("trl", "trl", None, None), run("loglinear-s1", "a3po", 1, 1), run("loglinear-s1-t2g2", "a3po", 2, 2)]
+    block = report_provenance("2026-12-07T03:39:08", runs, meta, {})
+    assert block["threads"] == {"training": 1, "generation": 1, "process": 2}
+    runs.append(run("recompute-s1", "a3po", 2, 2))
+    block = report_provenance("2026-12-07T03:39:08", runs, meta, {})
+    assert block["threads"]["training"] is None and {"threads.training", "threads.generation"} <= set(
+        block["unrecorded"]
+    )
+    meta["threads"].update(a3po_training=1, a3po_generation=1)  # counts the options set are as set
+    assert report_provenance("2026-12-07T03:39:08", runs, meta, {})["threads"]["training"] == 1
