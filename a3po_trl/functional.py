@@ -467,14 +467,16 @@ def interpolation_check_sums(
 def interpolation_check_verdict(sums, budget: float) -> tuple[float | None, float | None, bool | None]:
     """``(error, relative, exceeds)`` of a check's summed ``[error, drift, count]`` (:func:`interpolation_check_sums`,
     on the host): the mean error per token in nats, the error over the mean drift of one optimizer step, and whether
-    the relative error exceeds ``budget``. ``(None, None, None)`` when no token was checked (nothing measured); a
-    relative error of 0 when neither the interpolation nor the policy moved off the target, infinite when only the
-    interpolation did."""
+    the relative error exceeds ``budget``. ``(None, None, None)`` when no token was checked (nothing measured).
+
+    When the optimizer step moved none of the checked tokens' log-probs (drift 0: a batch whose advantages are all 0,
+    a warmup's first step at learning rate 0), the error has no step to be measured against: ``(error, None, None)``,
+    the error in nats and no verdict (the anchor in use stays), instead of an infinite relative error that would
+    exceed every budget. At ``d = 1`` that error is the generator's numerics alone."""
     error_sum, drift_sum, count = (float(value) for value in sums)
     if count == 0:
         return None, None, None
-    if drift_sum > 0:
-        relative = error_sum / drift_sum
-    else:
-        relative = 0.0 if error_sum == 0 else float("inf")
+    if drift_sum == 0:
+        return error_sum / count, None, None
+    relative = error_sum / drift_sum
     return error_sum / count, relative, relative > budget

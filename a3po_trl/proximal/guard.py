@@ -46,6 +46,7 @@ class ProximalGuard:
         self._pending: torch.Tensor | None = None
         self._checked_versions: frozenset[int] = frozenset()
         self._batches_per_epoch = 1
+        self._warned_still = False
 
     # ---- the schedule ------------------------------------------------------------------------------------------
     def batch_number(self, planned: PlannedBatch) -> int:
@@ -110,8 +111,18 @@ class ProximalGuard:
         if accelerator.num_processes > 1:
             sums = accelerator.reduce(sums, reduction="sum")
         error, relative, exceeds = interpolation_check_verdict(sums.tolist(), self.budget)
-        if exceeds is None:
+        if error is None:  # no token of staleness >= 1 in the checked batch: nothing measured
             return {}
+        if exceeds is None:  # the step moved no checked token: no scale to judge the error by, the anchor stays
+            if not self._warned_still:
+                self._warned_still = True
+                logger.info(
+                    "prox_logp_method='guarded': a check found that the optimizer step moved none of its tokens' "
+                    "log-probs (advantages all 0, or a learning rate of 0): its error (%.3g nats per token) has no "
+                    "step's drift to be measured against, so it decides nothing and the anchor in use stays.",
+                    error,
+                )
+            return {"a3po/prox_check_error": error}
         self.checks += 1
         if exceeds != self.recompute:
             self.switches += 1

@@ -1,12 +1,13 @@
 """The oracle study's summary (``benchmarks/oracle.py``): every estimator's error against the exact target, per
 configuration, by anchor age, per batch, and the registered decision (``results/oracle/PREREGISTRATION.md``).
 
-Errors are mean ``|estimate - exact|`` in nats per token over the scored tokens (staleness >= 2, outside each run's
-first batch), pooled over a configuration's seeds; *relative* errors divide that by the drift of one optimizer step on
-the same tokens, mean ``|current - exact|`` (the error of anchoring at the current weights): one scale at every
-learning rate. The fitted weight's reduction is ``1 - error(fitted) / error(fixed)``; its 95% t interval is over
-seeds where a configuration has several, else over its batches (each unit's paired difference over the pooled fixed
-error).
+Errors are mean ``|estimate - exact|`` in nats per token over the scored tokens (staleness >= 2, where the estimators
+differ, outside each run's first batch), pooled over a configuration's seeds; *relative* errors divide that by the
+drift of one optimizer step on the same tokens, mean ``|current - exact|`` (the error of anchoring at the current
+weights): one scale at every learning rate. The per-batch relative errors that set the guard's defaults are what the
+guard's check measures, over the tokens it counts (staleness >= 1: :func:`batch_check_sums`). The fitted weight's
+reduction is ``1 - error(fitted) / error(fixed)``; its 95% t interval is over seeds where a configuration has several,
+else over its batches (each unit's paired difference over the pooled fixed error).
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common.anchor_estimators import ESTIMATORS, absolute_errors, decode_tokens, scored_tokens
+from benchmarks.common.anchor_estimators import (
+    ESTIMATORS,
+    absolute_errors,
+    decode_tokens,
+    estimates,
+    scored_tokens,
+)
 from benchmarks.common.intervals import mean_interval
 
 #: The registered threshold: a fitted weight is built if it cuts the error by at least this much ...
@@ -42,7 +49,35 @@ def scored_run(record: dict) -> dict[str, np.ndarray]:
     run["numerics"] = np.abs(tokens["behavior"].astype(np.float64) - exact)[one]
     for field in ("age", "staleness", "batch", "step"):
         run[field] = tokens[field][scored]
+    run["checks"] = batch_check_sums(tokens, estimates(tokens)["fixed"])
     return run
+
+
+def batch_check_sums(tokens: dict[str, np.ndarray], fixed: np.ndarray) -> np.ndarray:
+    """What the guard's check would sum over each batch but the run's first, in batch order: ``[error, drift, count]``
+    per batch (shape ``(batches, 3)``), from the library's own :func:`~a3po_trl.functional.interpolation_check_sums`,
+    so the study's per-batch relative errors count the tokens a check counts (staleness >= 1, finite)."""
+    import torch
+
+    from a3po_trl.functional import interpolation_check_sums
+
+    batches = [batch for batch in np.unique(tokens["batch"]) if batch != tokens["batch"].min()]
+    values = {
+        name: torch.from_numpy(np.asarray(array, dtype=np.float64)).view(1, -1)
+        for name, array in (("fixed", fixed), ("current", tokens["current"]), ("exact", tokens["exact"]))
+    }
+    staleness = torch.from_numpy(np.asarray(tokens["staleness"], dtype=np.int64)).view(1, -1)
+    rows = [
+        interpolation_check_sums(
+            values["fixed"],
+            values["current"],
+            values["exact"],
+            staleness,
+            torch.from_numpy(tokens["batch"] == batch).view(1, -1),
+        ).numpy()
+        for batch in batches
+    ]
+    return np.stack(rows) if rows else np.zeros((0, 3))
 
 
 def _units(runs: dict[int, dict]) -> list[dict[str, np.ndarray]]:
@@ -101,16 +136,15 @@ def configuration_summary(runs: dict[int, dict]) -> dict:
 
 
 def batch_relative_errors(runs: dict[int, dict]) -> list[list[float]]:
-    """Per run (seed), the fixed weight's relative error of each batch, in batch order (batches with drift)."""
+    """Per run (seed), the fixed weight's relative error of each batch as the guard's check measures it
+    (:func:`~a3po_trl.functional.interpolation_check_verdict` of :func:`batch_check_sums`), in batch order: the
+    batches where the check has a verdict (tokens checked, and a step that moved them)."""
+    from a3po_trl.functional import interpolation_check_verdict
+
     series = []
     for run in runs.values():
-        values = []
-        for batch in np.unique(run["batch"]):
-            at = run["batch"] == batch
-            drift = run["drift"][at].mean()
-            if drift > 0:
-                values.append(float(run["fixed"][at].mean() / drift))
-        series.append(values)
+        relatives = (interpolation_check_verdict(sums, budget=1.0)[1] for sums in run["checks"])
+        series.append([relative for relative in relatives if relative is not None])
     return series
 
 
@@ -150,9 +184,9 @@ def guard_defaults(summaries: dict[str, dict]) -> dict:
 
 
 def _batches(runs: dict[int, dict]) -> list[dict[str, np.ndarray]]:
-    """Every run's scored tokens, batch by batch (the per-run ``numerics`` left out)."""
+    """Every run's scored tokens, batch by batch (the per-run ``numerics`` and ``checks`` left out)."""
     return [
-        {k: v[run["batch"] == batch] for k, v in run.items() if k != "numerics"}
+        {k: v[run["batch"] == batch] for k, v in run.items() if k not in ("numerics", "checks")}
         for run in runs.values()
         for batch in np.unique(run["batch"])
     ]
@@ -228,7 +262,8 @@ def summary_lines(summaries: dict[str, dict], verdict: dict, missing: list[str])
             )
     lines += [
         "",
-        "The fixed weight's relative error batch by batch (what a check of one batch would measure):",
+        "The fixed weight's relative error batch by batch, as the guard's check measures it (its tokens: staleness "
+        ">= 1, so at staleness 1 the generator's numerics):",
         "",
         "| configuration | batches | median | 90th percentile | max |",
         "|---|---:|---:|---:|---:|",

@@ -2,6 +2,7 @@
 target, the recomputed anchor while it is off by more than the budget, and back when a later check is within it."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -192,6 +193,22 @@ def test_within_budget_the_guarded_run_trains_exactly_as_loglinear(tokenizer, tm
     assert logged(guarded, "loss") == logged(loglinear, "loss")
     a, b = model_weights(guarded), model_weights(loglinear)
     assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_a_step_that_moves_no_weight_decides_nothing_and_logs_the_error_in_nats(tokenizer, tmp_path):
+    """Learning rate 0: no step moves the policy, so a check's drift is 0 and its relative error undefined. The guard
+    keeps the interpolation (a budget no finite error reaches stays unreached) and logs the error in nats only; an
+    infinite relative error used to send every later batch to recompute."""
+    trainer = make_trainer(
+        tokenizer, tmp_path, **{**SETTINGS, "max_steps": 8, "prox_error_budget": 1e9, "learning_rate": 0.0}
+    )
+    trainer.train()
+    guard = trainer.proximal_anchor.guard
+    assert logged(trainer, "a3po/prox_recompute_fraction") == [0] * 8
+    assert (guard.checks, guard.switches, guard.recompute) == (0, 0, False)
+    errors = logged(trainer, "a3po/prox_check_error")
+    assert len(errors) == 2 and all(math.isfinite(error) for error in errors)
+    assert logged(trainer, "a3po/prox_check_error_relative") == []
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ import numpy as np
 from benchmarks.common.anchor_estimators import (
     absolute_errors,
     causal_weights,
+    estimates,
     fixed_weight,
     scored_tokens,
     shrunk_least_squares,
@@ -67,3 +68,20 @@ def test_the_fit_is_causal_and_shrunk_toward_one_over_d():
     assert np.allclose(weights[n:], shrunk_least_squares(sum_xy, sum_xx, n, 0.5, 32.0), atol=1e-5)
     assert shrunk_least_squares(sum_xy, sum_xx, n, 0.5, 0.0) == sum_xy / sum_xx
     assert shrunk_least_squares(0.0, 0.0, 0, 0.5, 32.0) == 0.5
+
+
+def test_the_study_s_per_batch_relative_errors_count_the_tokens_the_guard_s_check_counts():
+    """One definition for both: the per-batch relative errors that set the guard's defaults are the check's own
+    measure, over staleness >= 1 (at 1, the generator's numerics), not the estimators' staleness >= 2."""
+    from benchmarks.common.oracle_summary import batch_check_sums, batch_relative_errors
+
+    # batch 0 (left out, as the first batch); batch 1: a staleness-2 token moving 1 then 1 (fixed weight exact:
+    # error 0, drift 1) and a staleness-1 token whose behavior log-prob is off by 0.5 (error 0.5, drift 1)
+    changes = np.array([[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]])
+    tokens = _tokens(changes, staleness=[2, 2, 1], batches=[0, 1, 1])
+    tokens["behavior"][2] += 0.5
+    sums = batch_check_sums(tokens, estimates(tokens)["fixed"])
+    assert sums.tolist() == [[0.5, 2.0, 2.0]]
+    assert batch_relative_errors({0: {"checks": sums}}) == [[0.25]]
+    # a batch whose step moved nothing has no verdict, as in the guard
+    assert batch_relative_errors({0: {"checks": np.array([[0.5, 0.0, 2.0]])}}) == [[]]
