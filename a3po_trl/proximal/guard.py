@@ -87,6 +87,11 @@ class ProximalGuard:
         else:
             self.previous.forget()
 
+    def end_run(self) -> None:
+        """When ``train()`` returns or raises: free the kept weights (a checkpoint written at the run's end holds
+        them; a later ``train()`` call starts from a checkpoint or from scratch)."""
+        self.previous.forget()
+
     # ---- a batch ----------------------------------------------------------------------------------------------
     def begin_batch(self, planned: PlannedBatch, accelerator) -> dict[str, float]:
         """When the trainer takes a batch: settle the check in progress, if any (on every process together), and
