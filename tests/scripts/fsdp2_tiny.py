@@ -317,8 +317,6 @@ def continue_and_resume(out_dir, tokenizer, lora, method):
         reproducible_generation=True,
         steps_per_generation=2,
         max_staleness=2,
-        save_strategy="steps",
-        save_steps=1,
         lr_scheduler_type="constant",  # a decaying one follows max_steps: the 3-step run's own steps would differ
         max_steps=6,
         **CHAIN_METHODS[method],
@@ -326,8 +324,11 @@ def continue_and_resume(out_dir, tokenizer, lora, method):
     uninterrupted = make(os.path.join(out_dir, method, "a"), tokenizer, lora, **settings)
     uninterrupted.train()
     chain = os.path.join(out_dir, method, "b")
-    make(chain, tokenizer, lora, **{**settings, "max_steps": 3}).train()
-    continued = make(chain, tokenizer, lora, seed=123, **settings)
+    # checkpoints in the chain only (what is trained does not depend on the saves; a resumed run takes save_steps
+    # from the checkpoint's trainer state)
+    saves = dict(save_strategy="steps", save_steps=1)
+    make(chain, tokenizer, lora, **{**settings, **saves, "max_steps": 3}).train()
+    continued = make(chain, tokenizer, lora, seed=123, **settings, **saves)
     continued.add_callback(StopAt(5))
     try:
         continued.train(resume_from_checkpoint=os.path.join(chain, "checkpoint-3"))
