@@ -170,8 +170,8 @@ class ProximalGuard:
         path = os.path.join(directory, STATE_FILE.format(rank=process_index))
         if not os.path.exists(path):
             logger.warning(
-                "Resuming from %s, which holds no state of prox_logp_method='guarded' (written by another method): the "
-                "guard starts again from the interpolation.",
+                "Resuming from %s, which holds no state of prox_logp_method='guarded' (written by another method): "
+                "the guard starts again from the interpolation.",
                 directory,
             )
             return
