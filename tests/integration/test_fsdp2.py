@@ -122,8 +122,8 @@ def test_reference_reward_model_recompute_and_evaluation_run_sharded(tmp_path, l
 def test_reproducible_run_resumes_from_a_sharded_checkpoint_bit_for_bit(tmp_path, lora):
     """reproducible_generation: a run stopped after its checkpoint at step 2 and resumed from it (from other initial
     trainable weights) logs the same losses, rewards and versions after step 2 as the uninterrupted run, and ends with
-    the same weights, bit for bit. Full (the cheapest sharded launch that resumes): also with ``recompute``,
-    ``metrics`` and ``guarded``, a run continued with a larger ``max_steps`` then stopped and resumed
+    the same weights, bit for bit. Full (the cheapest sharded launch that resumes): also with ``loglinear``,
+    ``recompute``, ``metrics`` and ``guarded``, a run continued with a larger ``max_steps`` then stopped and resumed
     (fsdp2_tiny.py's ``continue_and_resume``)."""
     reports = _launch(tmp_path, "--resume", *(["--lora"] if lora else []))
     for r in reports:
@@ -135,11 +135,11 @@ def test_reproducible_run_resumes_from_a_sharded_checkpoint_bit_for_bit(tmp_path
         assert r["final_weights_equal"]
     if lora:
         return
-    # recompute, metrics and guarded (switched by every check), with batches trained over two optimizer steps: a run
+    # every method (guarded switched by every check), with batches trained over two optimizer steps: a run
     # ending inside a batch, continued with a larger max_steps, stopped inside a later batch and resumed, trains what
     # the uninterrupted run trains (issue 63: the anchor of the cut batch, the kept weights of the next check)
     for r in reports:
-        assert sorted(r["methods"]) == ["guarded", "metrics", "recompute"]
+        assert sorted(r["methods"]) == ["guarded", "loglinear", "metrics", "recompute"]
         for method, chain in r["methods"].items():
             assert chain["continued_and_resumed"] == chain["uninterrupted"], method
             assert all(len(values) >= 1 for values in chain["uninterrupted"].values()), method

@@ -12,13 +12,14 @@ completion with the training forward's at that version (computed after each opti
 With ``--lora`` the main process saves the adapter with ``save_model()`` and loads it with
 ``PeftModel.from_pretrained``. With ``--resume`` (``reproducible_generation``) a second run is stopped after its
 checkpoint at step 2 and resumed from it by a third, started from other weights: the report holds both runs' logs after
-step 2 and whether their final weights are equal; without ``--lora``, also, for ``recompute``, ``metrics`` and
-``guarded``, a 3-step run continued to 6 steps, stopped at step 5 and resumed, against the uninterrupted 6-step run
-(:func:`continue_and_resume`). With ``--extras`` the run adds what runs sharded in the main thread:
-a reference model (``beta > 0``; from a saved copy of the base, or the adapter-disabled model under LoRA), a reward
-model given as a module, ``prox_logp_method="metrics"`` and evaluation, at ``max_staleness=0`` so that the generator
-loads every version. At one optimizer step per batch ``metrics`` anchors at the training forward's own log-probs, so
-the recompute forward a batch trained over several steps gets is run after training, sharded, on the fixed completion.
+step 2 and whether their final weights are equal; without ``--lora``, also, for ``loglinear``, ``recompute``,
+``metrics`` and ``guarded``, a 3-step run continued to 6 steps, stopped at step 5 and resumed, against the
+uninterrupted 6-step run (:func:`continue_and_resume`). With ``--extras`` the run adds what runs sharded in the main
+thread: a reference model (``beta > 0``; from a saved copy of the base, or the adapter-disabled model under LoRA), a
+reward model given as a module, ``prox_logp_method="metrics"`` and evaluation, at ``max_staleness=0`` so that the
+generator loads every version. At one optimizer step per batch ``metrics`` anchors at the training forward's own
+log-probs, so the recompute forward a batch trained over several steps gets is run after training, sharded, on the
+fixed completion.
 With ``--in-flight`` the run trains with ``in_flight_weight_updates=True`` and the switch points fixed by the schedule
 (``helpers.Lockstep``): the report holds each batch's token versions and the ones the schedule fixes.
 """
@@ -303,6 +304,7 @@ def resume_bit_for_bit(out_dir, tokenizer, lora):
 #: The proximal methods whose continued and resumed runs the full (not LoRA) ``--resume`` launch compares with the
 #: uninterrupted run; ``guarded`` with a budget every check exceeds, so that each check switches its anchor.
 CHAIN_METHODS = {
+    "loglinear": dict(prox_logp_method="loglinear"),
     "recompute": dict(prox_logp_method="recompute"),
     "metrics": dict(prox_logp_method="metrics"),
     "guarded": dict(prox_logp_method="guarded", prox_check_interval=1, prox_error_budget=1e-3),
@@ -310,9 +312,9 @@ CHAIN_METHODS = {
 
 
 def continue_and_resume(out_dir, tokenizer, lora, method):
-    """Batches trained over two optimizer steps, anchored (recompute, metrics, guarded switched) at the weights of
-    their first: a 3-step run (ending inside batch 1) continued to 6 steps from its last checkpoint, stopped after its
-    checkpoint at step 5 (inside batch 2) and resumed from it, against the uninterrupted 6-step run."""
+    """Batches trained over two optimizer steps (recompute, metrics and guarded switched anchor them at the weights
+    of their first): a 3-step run (ending inside batch 1) continued to 6 steps from its last checkpoint, stopped
+    after its checkpoint at step 5 (inside batch 2) and resumed from it, against the uninterrupted 6-step run."""
     settings = dict(
         reproducible_generation=True,
         steps_per_generation=2,
