@@ -323,11 +323,12 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         return result
 
     def _end_train(self, previous_threads: int) -> BaseException | None:
-        """What ends every ``train()``: stop the generation thread (returning its unreported error), restore the
-        thread count, write the trace. Raises nothing of its own."""
+        """What ends every ``train()``: stop the generation thread (returning its unreported error), free what the
+        proximal anchor kept, restore the thread count, write the trace. Raises nothing of its own."""
         try:
             return self._stop_producer()
         finally:
+            self.proximal_anchor.end_run()
             torch.set_num_threads(previous_threads)
             if not self._resumed_a_complete_run:  # a finished run started again leaves its folder as it was
                 self._write_trace()

@@ -66,9 +66,10 @@ def make_training_batch(
     if scored.environments is not None:
         trainer.environments = scored.environments  # GRPOTrainer's attribute: the latest batch's environments
 
-    # what the loss's anchor needs to know to recompute the proximal log-probs at the batch's first micro-step; on
-    # the host, so that reading them at every micro-step never waits for the GPU
-    data["versions_training_batch"] = torch.tensor(planned.span)
+    # what the loss's anchor needs to know to recompute the proximal log-probs at the batch's first micro-step (over
+    # the whole batch: a run that ends inside it keeps the anchor for a continuation); on the host, so that reading
+    # them at every micro-step never waits for the GPU
+    data["versions_training_batch"] = torch.tensor(planned.whole_span)
     data["batch_index"] = torch.tensor(scored.index)
     anchor_metrics = trainer.proximal_anchor.begin_batch(planned, trainer.accelerator)  # "guarded": settle, choose
     if trainer.beta != 0.0:

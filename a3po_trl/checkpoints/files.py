@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 import zipfile
@@ -76,6 +77,30 @@ def write_manifest(folder: str, files: dict[str, int], num_processes: int) -> No
         json.dump(manifest, file, indent=1)
         file.flush()
         os.fsync(file.fileno())
+
+
+_RNG_STATE_OF_PROCESS = re.compile(r"^rng_state_(\d+)\.pth$")
+
+
+def written_by_processes(folder: str) -> int | None:
+    """The number of processes of the run that wrote checkpoint ``folder``: its manifest's ``num_processes``, or,
+    for a checkpoint without a readable manifest (another trainer or an older version), what transformers' RNG
+    files say (``rng_state.pth``: one process; ``rng_state_<k>.pth``: one per process). ``None`` when neither does."""
+    try:
+        with open(os.path.join(folder, MANIFEST_NAME)) as file:
+            recorded = json.load(file)["num_processes"]
+        if isinstance(recorded, int) and recorded >= 1:
+            return recorded
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return None
+    ranks = [int(match.group(1)) for match in map(_RNG_STATE_OF_PROCESS.match, names) if match]
+    if ranks:
+        return max(ranks) + 1
+    return 1 if "rng_state.pth" in names else None
 
 
 def has_manifest(folder: str) -> bool:

@@ -12,8 +12,9 @@ and read by one module, its save beside its load:
 
 One rule for a piece the checkpoint lacks (written by another method, setting or version): the resumed run starts
 that piece as a fresh run does, with a warning where it then departs from the uninterrupted run; a piece it holds that
-contradicts the resumed run's settings (another number of processes, batch shape or ``max_staleness``) is refused,
-naming the fix.
+contradicts the resumed run's settings (batch shape or ``max_staleness``) is refused, naming the fix. A checkpoint
+written on another number of processes is refused as a whole, before anything is loaded
+(:func:`~a3po_trl.checkpoints.saves.refuse_another_number_of_processes`): every piece here is per process.
 
 And under FSDP2, the model files ``save_model`` writes whole from every process's shards
 (:func:`save_fsdp2_model`).

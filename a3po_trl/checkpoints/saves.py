@@ -46,6 +46,7 @@ from .files import (
     list_checkpoint_files,
     whole_with_manifest,
     write_manifest,
+    written_by_processes,
 )
 
 logger = logging.getLogger(__name__)
@@ -398,8 +399,39 @@ def resolve_resume_checkpoint(trainer, requested):
     job a scheduler may requeue: the same command starts the run, then resumes it) becomes the same checkpoint, or
     ``None`` when none is complete: the run starts from the beginning, saying why. A path (``str`` or
     ``os.PathLike``) becomes a ``str``, refused with its problems and the fix if it is incomplete. The main process
-    decides, once, and tells the others: every process resumes from the same checkpoint, or raises, together.
+    decides, once, and tells the others: every process resumes from the same checkpoint, or raises, together. A
+    checkpoint written on another number of processes is refused (:func:`refuse_another_number_of_processes`).
     """
+    checkpoint = _resolve(trainer, requested)
+    if isinstance(checkpoint, str):
+        refuse_another_number_of_processes(trainer.accelerator, checkpoint)
+    return checkpoint
+
+
+def refuse_another_number_of_processes(accelerator, checkpoint: str) -> None:
+    """Refuse, on every process together and before anything is loaded, a resume from ``checkpoint`` on another
+    number of processes than wrote it (:func:`~a3po_trl.checkpoints.files.written_by_processes`, read by the main
+    process): each process's state (its rows of the batch being trained, its random streams, the guard's check in
+    progress and kept weights, the recomputed anchor, where its prompt draws stand) and the batch it trains follow
+    from the number of processes, so such a resume could only depart from the run silently, or hang."""
+    recorded = _decide_on_main(accelerator, lambda: written_by_processes(checkpoint), f"Reading {checkpoint}")
+    if recorded is None or recorded == accelerator.num_processes:
+        return
+    now = accelerator.num_processes
+    raise ValueError(
+        f"{checkpoint} was written by a run on {_processes(recorded)}; this one has {now}. Each process's part of "
+        "the run (its rows of each batch, its random streams, the proximal guard's check in progress and kept "
+        "weights, the recomputed anchor, its prompt draws) cannot be carried over to another number of processes: "
+        f"resume on {_processes(recorded)}, or start a new run on {_processes(now)} without resume_from_checkpoint "
+        "(loading the checkpoint's model as its starting weights)."
+    )
+
+
+def _processes(count: int) -> str:
+    return f"{count} process" if count == 1 else f"{count} processes"
+
+
+def _resolve(trainer, requested):
     accelerator = trainer.accelerator
     auto = isinstance(requested, str) and requested == "auto"
     if (isinstance(requested, bool) and requested) or auto:

@@ -97,6 +97,13 @@ class PlannedBatch:
         """Number of distinct versions that train on the batch."""
         return self.last_version - self.first_version + 1
 
+    @property
+    def whole_span(self) -> int:
+        """Number of distinct versions that train on the batch had the run gone on to its end: :attr:`span`, except
+        for a last batch the run's end cuts short, which a run continued with a larger ``max_steps`` trains on."""
+        last = self.last_version if self.whole_last_version is None else self.whole_last_version
+        return last - self.first_version + 1
+
 
 def run_micro_steps(shape: TrainingLoopShape) -> list[MicroStep]:
     """Every micro-step of the run, in order."""
@@ -104,6 +111,14 @@ def run_micro_steps(shape: TrainingLoopShape) -> list[MicroStep]:
     for version, (epoch, first, size) in enumerate(shape.windows(), start=shape.start_step):
         steps.extend(MicroStep(epoch, position, version) for position in range(first, first + size))
     return steps
+
+
+def micro_step_after(last: MicroStep, steps_in_epoch: int) -> MicroStep:
+    """The micro-step that follows ``last``, the last micro-step of a run (which ends an optimizer step), in the
+    same loop run on: where a run continued from its last checkpoint with a larger ``max_steps`` starts."""
+    if last.position + 1 < steps_in_epoch:
+        return MicroStep(last.epoch, last.position + 1, last.version + 1)
+    return MicroStep(last.epoch + 1, 0, last.version + 1)
 
 
 def plan_generation_batches(micro_steps: list[MicroStep], micro_steps_per_batch: int) -> list[PlannedBatch]:

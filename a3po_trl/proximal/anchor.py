@@ -60,6 +60,11 @@ class ProximalAnchor:
         if self.guard is not None:
             self.guard.start_run(plan, steps_in_epoch)
 
+    def end_run(self) -> None:
+        """When ``train()`` ends: free what the run kept for its checks."""
+        if self.guard is not None:
+            self.guard.end_run()
+
     def begin_batch(self, planned, accelerator) -> dict[str, float]:
         """When the trainer takes a batch: the guard settles its check and chooses the batch's anchor. Returns the
         settled check's metrics."""

@@ -16,7 +16,7 @@ import os
 import torch
 
 from ..functional import interpolation_check_sums, interpolation_check_verdict
-from ..generation.schedule import PlannedBatch
+from ..generation.schedule import PlannedBatch, micro_step_after
 from ..runtime.timing import IntervalTimer
 from .previous_weights import PreviousVersionWeights
 
@@ -54,18 +54,31 @@ class ProximalGuard:
         return planned.epoch * self._batches_per_epoch + planned.index_in_epoch
 
     def is_checked(self, planned: PlannedBatch) -> bool:
-        number = self.batch_number(planned)
+        return self._is_checked_number(self.batch_number(planned))
+
+    def _is_checked_number(self, number: int) -> bool:
+        """Whether the batch numbered ``number`` (:meth:`batch_number`) is checked: batches 1, 1 + interval, ..."""
         return number >= 1 and (number - 1) % self.interval == 0
 
     def start_run(self, plan, steps_in_epoch: int) -> None:
-        """Read the run's plan: which versions train checked batches."""
-        self._batches_per_epoch = max(1, math.ceil(steps_in_epoch / plan.micro_steps_per_batch))
-        self._checked_versions = frozenset(
+        """Read the run's plan: which versions train checked batches, and the version just past the run's end if
+        the micro-step after its last one (where a run continued with a larger ``max_steps`` goes on) trains a
+        checked batch: the run's last step then keeps the weights that check needs, for the checkpoint written at
+        the end."""
+        per_batch = plan.micro_steps_per_batch
+        self._batches_per_epoch = max(1, math.ceil(steps_in_epoch / per_batch))
+        checked = {
             version
             for batch in plan.batches
             if self.is_checked(batch)
             for version in range(batch.first_version, batch.last_version + 1)
-        )
+        }
+        if plan.micro_steps:
+            following = micro_step_after(plan.micro_steps[-1], steps_in_epoch)
+            number = following.epoch * self._batches_per_epoch + following.position // per_batch
+            if self._is_checked_number(number):
+                checked.add(following.version)
+        self._checked_versions = frozenset(checked)
 
     def keep_if_due(self, model: torch.nn.Module, version: int) -> None:
         """On the last micro-step of version ``version``, before its forward: keep its trainable weights if the next
@@ -74,6 +87,11 @@ class ProximalGuard:
             self.previous.keep(model, version)
         else:
             self.previous.forget()
+
+    def end_run(self) -> None:
+        """When ``train()`` returns or raises: free the kept weights (a checkpoint written at the run's end holds
+        them; a later ``train()`` call starts from a checkpoint or from scratch)."""
+        self.previous.forget()
 
     # ---- a batch ----------------------------------------------------------------------------------------------
     def begin_batch(self, planned: PlannedBatch, accelerator) -> dict[str, float]:
@@ -163,8 +181,8 @@ class ProximalGuard:
         path = os.path.join(directory, STATE_FILE.format(rank=process_index))
         if not os.path.exists(path):
             logger.warning(
-                "Resuming from %s, which holds no state of prox_logp_method='guarded' (written by another method or "
-                "another number of processes): the guard starts again from the interpolation.",
+                "Resuming from %s, which holds no state of prox_logp_method='guarded' (written by another method): "
+                "the guard starts again from the interpolation.",
                 directory,
             )
             return

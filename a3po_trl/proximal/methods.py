@@ -43,6 +43,6 @@ def batch_method(prox_logp_method: str, recompute: bool = False) -> str:
 def needs_recompute_forward(method: str, versions_training_batch: int) -> bool:
     """Whether ``method`` needs a no-grad forward when a batch is taken: it anchors at the weights of the batch's
     first optimizer step, and ``versions_training_batch`` (the number of weight versions its micro-steps train with,
-    :attr:`PlannedBatch.span <a3po_trl.generation.schedule.PlannedBatch.span>`) says later micro-steps train newer
-    weights, whose own forward is not that anchor."""
+    :attr:`PlannedBatch.whole_span <a3po_trl.generation.schedule.PlannedBatch.whole_span>`, the run's end
+    notwithstanding) says later micro-steps train newer weights, whose own forward is not that anchor."""
     return PROXIMAL_METHOD_TABLE[method].anchor == "current" and versions_training_batch > 1

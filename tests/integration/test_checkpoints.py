@@ -19,6 +19,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from a3po_trl.checkpoints import checkpoint_problems, newest_complete_checkpoint, resolve_resume_checkpoint, run_state
+from a3po_trl.checkpoints.files import MANIFEST_NAME
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHECKPOINTS = dict(save_strategy="steps", save_steps=1)
@@ -204,9 +205,33 @@ def test_sigterm_while_a_checkpoint_is_written_leaves_the_previous_one_newest(to
     shutil.rmtree(out)
 
 
+def _written_on_one_process(tokenizer, tmp_path):
+    make_trainer(tokenizer, tmp_path, max_steps=1, **CHECKPOINTS).train()
+    return tmp_path / "out" / "checkpoint-1"
+
+
+def test_a_resume_on_another_number_of_processes_is_refused_before_training_naming_both(tokenizer, tmp_path):
+    checkpoint = _written_on_one_process(tokenizer, tmp_path)
+    manifest = checkpoint / MANIFEST_NAME
+    recorded = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**recorded, "num_processes": 4}))  # as a run on 4 processes writes it
+    resumed = make_trainer(tokenizer, tmp_path, max_steps=3, **CHECKPOINTS)
+    untouched = {name: p.detach().clone() for name, p in resumed.model.named_parameters()}
+    for requested in (True, "auto", str(checkpoint)):
+        with pytest.raises(
+            ValueError, match=r"written by a run on 4 processes; this one has 1.*resume on 4 processes"
+        ):
+            resumed.train(resume_from_checkpoint=requested)
+    assert resumed.last_batch_producer is None and resumed.state.global_step == 0  # refused before training
+    assert all(torch.equal(p, untouched[name]) for name, p in resumed.model.named_parameters())
+
+
 @pytest.mark.slow
-def test_every_process_resumes_from_the_checkpoint_the_main_process_chose(tmp_path):
-    """Two processes (DDP on CPU) whose views of the disk differ: the main process decides for both."""
+def test_every_process_resumes_from_the_checkpoint_the_main_process_chose(tokenizer, tmp_path):
+    """Two processes (DDP on CPU) whose views of the disk differ: the main process decides for both. And a resume on
+    another number of processes is refused before training, on every process, naming both counts: a checkpoint of
+    one process resumed on two, and the two processes' checkpoint resumed on one."""
+    single = _written_on_one_process(tokenizer, tmp_path / "single")
     config = tmp_path / "ddp.yaml"
     config.write_text(
         "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_processes: 2\ngpu_ids: all\n"
@@ -216,11 +241,19 @@ def test_every_process_resumes_from_the_checkpoint_the_main_process_chose(tmp_pa
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     script = os.path.join(ROOT, "tests", "scripts", "resume_agreement.py")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), script, str(out)]
-    result = run_process_tree(cmd, env=env, timeout=900, cwd=ROOT)
+    result = run_process_tree([*cmd, str(single)], env=env, timeout=900, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
     for report in reports:
         assert report["resumed_from"] == "checkpoint-1" and report["started_at"] == 1 and report["global_step"] == 3
+        message, step, started = report["one_process_checkpoint"]
+        assert f"{single} was written by a run on 1 process; this one has 2" in message
+        assert "resume on 1 process," in message and step == 0 and not started
+
+    on_one = make_trainer(tokenizer, tmp_path, max_steps=4, **CHECKPOINTS)  # output_dir: the two processes' out
+    with pytest.raises(ValueError, match=r"checkpoint-3 was written by a run on 2 processes; this one has 1"):
+        on_one.train(resume_from_checkpoint=True)
+    assert on_one.last_batch_producer is None and on_one.state.global_step == 0
 
 
 @pytest.mark.slow

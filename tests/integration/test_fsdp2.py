@@ -122,7 +122,9 @@ def test_reference_reward_model_recompute_and_evaluation_run_sharded(tmp_path, l
 def test_reproducible_run_resumes_from_a_sharded_checkpoint_bit_for_bit(tmp_path, lora):
     """reproducible_generation: a run stopped after its checkpoint at step 2 and resumed from it (from other initial
     trainable weights) logs the same losses, rewards and versions after step 2 as the uninterrupted run, and ends with
-    the same weights, bit for bit."""
+    the same weights, bit for bit. Full (the cheapest sharded launch that resumes): also with ``loglinear``,
+    ``recompute``, ``metrics`` and ``guarded``, a run continued with a larger ``max_steps`` then stopped and resumed
+    (fsdp2_tiny.py's ``continue_and_resume``)."""
     reports = _launch(tmp_path, "--resume", *(["--lora"] if lora else []))
     for r in reports:
         assert "pytorch_model_fsdp_0" in r["checkpoint_files"] and "optimizer_0" in r["checkpoint_files"]
@@ -131,6 +133,17 @@ def test_reproducible_run_resumes_from_a_sharded_checkpoint_bit_for_bit(tmp_path
         assert r["resumed"] == r["uninterrupted"]
         assert len(r["resumed"]["loss"]) == 2
         assert r["final_weights_equal"]
+    if lora:
+        return
+    # every method (guarded switched by every check), with batches trained over two optimizer steps: a run
+    # ending inside a batch, continued with a larger max_steps, stopped inside a later batch and resumed, trains what
+    # the uninterrupted run trains (issue 63: the anchor of the cut batch, the kept weights of the next check)
+    for r in reports:
+        assert sorted(r["methods"]) == ["guarded", "loglinear", "metrics", "recompute"]
+        for method, chain in r["methods"].items():
+            assert chain["continued_and_resumed"] == chain["uninterrupted"], method
+            assert all(len(values) >= 1 for values in chain["uninterrupted"].values()), method
+            assert chain["final_weights_equal"], method
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])

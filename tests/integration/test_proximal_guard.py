@@ -115,7 +115,7 @@ def test_the_check_compares_with_the_forward_of_the_version_before_the_trained_w
                 versions[step - 1], ids, mask, inputs["completion_ids"].size(1)
             )[0]
         torch.testing.assert_close(logps, target, rtol=0, atol=0)
-    # the kept weights are freed once no checked step follows
+    # the kept weights are freed when the run ends (its last step kept version 5: a continuation checks step 6)
     assert trainer.proximal_anchor.guard.previous.version is None
 
 

@@ -123,6 +123,17 @@ def test_backend_keeps_the_versions_a_later_batch_may_need_and_releases_older_on
     assert backend.weights.allocated_sets <= 4  # buffers are reused, not reallocated
 
 
+#: The proximal methods a continuation must train as the longer run does; ``guarded`` with a budget every check
+#: exceeds, so that each check switches its anchor and a skipped check changes what is trained.
+CONTINUED_METHODS = {
+    "loglinear": dict(),
+    "recompute": dict(prox_logp_method="recompute"),
+    "metrics": dict(prox_logp_method="metrics"),
+    "guarded": dict(prox_logp_method="guarded", prox_check_interval=1, prox_error_budget=1e-3),
+}
+
+
+@pytest.mark.parametrize("method", list(CONTINUED_METHODS))
 @pytest.mark.parametrize(
     "shape, first_steps, kept",
     [
@@ -132,11 +143,11 @@ def test_backend_keeps_the_versions_a_later_batch_may_need_and_releases_older_on
     ids=["one-step-batches", "ending-inside-a-batch"],
 )
 def test_a_run_continued_with_a_larger_max_steps_trains_what_the_longer_run_trains(
-    tokenizer, tmp_path, shape, first_steps, kept
+    tokenizer, tmp_path, shape, first_steps, kept, method
 ):
     # a constant learning rate: a decaying one follows max_steps, so the first run's own steps would differ already
     checkpointing = dict(save_strategy="steps", save_steps=1, lr_scheduler_type="constant")
-    longer = {**SETTINGS, **shape, **checkpointing, "max_steps": 6}
+    longer = {**SETTINGS, **CONTINUED_METHODS[method], **shape, **checkpointing, "max_steps": 6}
     uninterrupted = _run(tokenizer, tmp_path / "a", False, **longer)
     _run(tokenizer, tmp_path / "b", False, **{**longer, "max_steps": first_steps})
     checkpoint = tmp_path / "b" / "out" / f"checkpoint-{first_steps}"
@@ -147,9 +158,13 @@ def test_a_run_continued_with_a_larger_max_steps_trains_what_the_longer_run_trai
     continued.train(resume_from_checkpoint=True)
     assert continued.state.global_step == 6
     # every step's history (the first run's, restored from the checkpoint, then the continuation's) is the longer
-    # run's: the first run generated its last batch as the longer run does, also when it ended inside it
-    for key in ("loss", "grad_norm", "a3po/staleness_max"):
+    # run's: the first run generated its last batch as the longer run does, also when it ended inside it; it kept
+    # the anchor of that batch (recompute, metrics) and the weights the continuation's first check needs (guarded)
+    keys = ["loss", "grad_norm", "a3po/staleness_max"]
+    keys += {"metrics": ["a3po/approx_logp_abs_error"], "guarded": GUARD_KEYS}.get(method, [])
+    for key in keys:
         assert logged(continued, key) == logged(uninterrupted, key), key
+        assert logged(continued, key), key
     a, b = model_weights(uninterrupted), model_weights(continued)
     assert all(torch.equal(a[n], b[n]) for n in a)
 

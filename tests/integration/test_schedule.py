@@ -13,6 +13,7 @@ from transformers import TrainerCallback
 from a3po_trl.config import largest_version_span
 from a3po_trl.generation.schedule import (
     TrainingLoopShape,
+    micro_step_after,
     oldest_allowed_version,
     plan_generation_batches,
     plan_run_batches,
@@ -165,19 +166,26 @@ def test_planned_batches_never_span_more_than_the_configured_span(shape):
 @given(_shapes(), st.integers(1, 12))
 def test_a_batch_is_assigned_the_same_version_whatever_the_runs_length(shape, more_steps):
     """A run ending inside a batch assigns it the version a longer run does: a run continued from its checkpoint with
-    a larger max_steps generates what the longer run generates."""
+    a larger max_steps generates what the longer run generates. The shorter run's last batch spans, whole, the
+    versions the longer run trains it with (the anchoring methods recompute it as the longer run does), and the
+    micro-step after the shorter run is the longer run's next one (where the guard's kept weights are needed)."""
     steps_in_epoch, every, ga, extra_steps, start, skip = shape
     span = largest_version_span(every, ga)
-    assigned = []
+    assigned, plans = [], []
     for max_steps in (start + extra_steps, start + extra_steps + more_steps):
         loop = TrainingLoopShape(steps_in_epoch, ga, max_steps=max_steps, start_step=start, skip_trained_data=skip)
         micro_steps, planned = plan_run_batches(loop, every)
         assert micro_steps == run_micro_steps(loop)
+        plans.append((micro_steps, planned))
         assigned.append([oldest_allowed_version(batch, span - 1, start) for batch in planned])
         for batch, oldest in zip(planned, assigned[-1], strict=True):
             assert batch.last_version - oldest <= span - 1 and oldest <= batch.first_version
     shorter, longer = assigned
     assert longer[: len(shorter)] == shorter
+    (short_steps, short_batches), (long_steps, long_batches) = plans
+    if short_batches:
+        assert short_batches[-1].whole_span == long_batches[len(short_batches) - 1].whole_span
+        assert micro_step_after(short_steps[-1], steps_in_epoch) == long_steps[len(short_steps)]
 
 
 def test_unset_max_staleness_admits_the_schedule_plus_one_step_and_a_too_small_one_names_the_setting(tmp_path):

@@ -12,11 +12,14 @@ completion with the training forward's at that version (computed after each opti
 With ``--lora`` the main process saves the adapter with ``save_model()`` and loads it with
 ``PeftModel.from_pretrained``. With ``--resume`` (``reproducible_generation``) a second run is stopped after its
 checkpoint at step 2 and resumed from it by a third, started from other weights: the report holds both runs' logs after
-step 2 and whether their final weights are equal. With ``--extras`` the run adds what runs sharded in the main thread:
-a reference model (``beta > 0``; from a saved copy of the base, or the adapter-disabled model under LoRA), a reward
-model given as a module, ``prox_logp_method="metrics"`` and evaluation, at ``max_staleness=0`` so that the generator
-loads every version. At one optimizer step per batch ``metrics`` anchors at the training forward's own log-probs, so
-the recompute forward a batch trained over several steps gets is run after training, sharded, on the fixed completion.
+step 2 and whether their final weights are equal; without ``--lora``, also, for ``loglinear``, ``recompute``,
+``metrics`` and ``guarded``, a 3-step run continued to 6 steps, stopped at step 5 and resumed, against the
+uninterrupted 6-step run (:func:`continue_and_resume`). With ``--extras`` the run adds what runs sharded in the main
+thread: a reference model (``beta > 0``; from a saved copy of the base, or the adapter-disabled model under LoRA), a
+reward model given as a module, ``prox_logp_method="metrics"`` and evaluation, at ``max_staleness=0`` so that the
+generator loads every version. At one optimizer step per batch ``metrics`` anchors at the training forward's own
+log-probs, so the recompute forward a batch trained over several steps gets is run after training, sharded, on the
+fixed completion.
 With ``--in-flight`` the run trains with ``in_flight_weight_updates=True`` and the switch points fixed by the schedule
 (``helpers.Lockstep``): the report holds each batch's token versions and the ones the schedule fixes.
 """
@@ -45,6 +48,11 @@ from a3po_trl.generation.weights.names import without_checkpoint_wrapper  # noqa
 
 MAX_STEPS = 4
 LOGGED = ("loss", "reward", "async/generator_version", "a3po/staleness_max")
+#: What each proximal method logs of its anchor, compared across a continuation and a resume.
+METHOD_LOGGED = {
+    "metrics": ("a3po/anchor_age", "a3po/anchor_approx_logp_abs_error"),
+    "guarded": ("a3po/prox_recompute_fraction", "a3po/prox_check_error", "a3po/prox_check_error_relative"),
+}
 
 
 def lora_config():
@@ -109,7 +117,7 @@ def make(out_dir, tokenizer, lora, seed=0, reward_funcs=(length_reward,), model=
     """The trainer; ``seed`` draws the trainable weights' initial values (under LoRA the adapter's: the base model is
     the same pretrained one in every run, and a resume loads the adapter only)."""
     extra = {k: overrides.pop(k) for k in ("eval_dataset", "reward_processing_classes") if k in overrides}
-    args = distributed_script_config(out_dir, max_steps=MAX_STEPS, **overrides)
+    args = distributed_script_config(out_dir, **{"max_steps": MAX_STEPS, **overrides})
     model = model if model is not None else make_model(tokenizer, seed=0 if lora else seed)
     if lora:
         from peft import get_peft_model
@@ -293,6 +301,54 @@ def resume_bit_for_bit(out_dir, tokenizer, lora):
     }
 
 
+#: The proximal methods whose continued and resumed runs the full (not LoRA) ``--resume`` launch compares with the
+#: uninterrupted run; ``guarded`` with a budget every check exceeds, so that each check switches its anchor.
+CHAIN_METHODS = {
+    "loglinear": dict(prox_logp_method="loglinear"),
+    "recompute": dict(prox_logp_method="recompute"),
+    "metrics": dict(prox_logp_method="metrics"),
+    "guarded": dict(prox_logp_method="guarded", prox_check_interval=1, prox_error_budget=1e-3),
+}
+
+
+def continue_and_resume(out_dir, tokenizer, lora, method):
+    """Batches trained over two optimizer steps (recompute, metrics and guarded switched anchor them at the weights
+    of their first): a 3-step run (ending inside batch 1) continued to 6 steps from its last checkpoint, stopped
+    after its checkpoint at step 5 (inside batch 2) and resumed from it, against the uninterrupted 6-step run."""
+    settings = dict(
+        reproducible_generation=True,
+        steps_per_generation=2,
+        max_staleness=2,
+        lr_scheduler_type="constant",  # a decaying one follows max_steps: the 3-step run's own steps would differ
+        max_steps=6,
+        **CHAIN_METHODS[method],
+    )
+    uninterrupted = make(os.path.join(out_dir, method, "a"), tokenizer, lora, **settings)
+    uninterrupted.train()
+    chain = os.path.join(out_dir, method, "b")
+    # checkpoints in the chain only (what is trained does not depend on the saves; a resumed run takes save_steps
+    # from the checkpoint's trainer state)
+    saves = dict(save_strategy="steps", save_steps=1)
+    make(chain, tokenizer, lora, **{**settings, **saves, "max_steps": 3}).train()
+    continued = make(chain, tokenizer, lora, seed=123, **settings, **saves)
+    continued.add_callback(StopAt(5))
+    try:
+        continued.train(resume_from_checkpoint=os.path.join(chain, "checkpoint-3"))
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the continued run was not stopped")
+    resumed = make(chain, tokenizer, lora, seed=321, **settings)
+    resumed.train(resume_from_checkpoint=os.path.join(chain, "checkpoint-5"))
+    keys = ("loss", "grad_norm", *METHOD_LOGGED.get(method, ()))
+    a, b = full_weights(uninterrupted), full_weights(resumed)
+    return {
+        "uninterrupted": {key: logged(uninterrupted, key) for key in keys},
+        "continued_and_resumed": {key: logged(resumed, key) for key in keys},
+        "final_weights_equal": sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a),
+    }
+
+
 def train_in_flight(out_dir, tokenizer, lora):
     """In-flight weight updates under FSDP2: each process's generator loads a version mid-batch, at the token the
     schedule fixes, from its staging buffer, which every process's (sharded, gathered) publication filled."""
@@ -325,6 +381,8 @@ def main():
     tokenizer = make_tokenizer()
     if resume:
         report = resume_bit_for_bit(out_dir, tokenizer, lora)
+        if not lora:  # one sharded launch holds the continued and resumed runs of the anchoring methods
+            report["methods"] = {m: continue_and_resume(out_dir, tokenizer, lora, m) for m in CHAIN_METHODS}
         rank = int(os.environ["RANK"])
     elif "--in-flight" in sys.argv:
         trainer, report = train_in_flight(os.path.join(out_dir, "run"), tokenizer, lora)

@@ -1,11 +1,12 @@
 """Two processes resume from the same checkpoint even when their views of the disk differ (test_checkpoints.py).
 
-accelerate launch --config_file CONFIG tests/scripts/resume_agreement.py OUT_DIR
+accelerate launch --config_file CONFIG tests/scripts/resume_agreement.py OUT_DIR SINGLE_PROCESS_CHECKPOINT
 
 Trains 2 steps with a checkpoint per step, then breaks checkpoint-2 as an interrupted in-place write would
 (truncated optimizer state, no trainer state). Process 1 is then given a stale view of the disk in which every
 checkpoint looks complete (as a lagging network filesystem could show it): deciding alone it would pick checkpoint-2.
-Both resume with ``resume_from_checkpoint=True`` and report the checkpoint and step they resumed from.
+Both resume with ``resume_from_checkpoint=True`` and report the checkpoint and step they resumed from. Last, both try
+to resume SINGLE_PROCESS_CHECKPOINT (written by a run on one process) and report the error that refuses it.
 """
 
 import json
@@ -71,6 +72,12 @@ def main():
         "started_at": recorder.started_at,
         "global_step": resumed.state.global_step,
     }
+    elsewhere = make(os.path.join(out_dir, "from-one-process"), tokenizer, max_steps=3)
+    try:
+        elsewhere.train(resume_from_checkpoint=sys.argv[2])
+    except ValueError as error:
+        started = elsewhere.last_batch_producer is not None
+        report["one_process_checkpoint"] = [str(error), elsewhere.state.global_step, started]
     with open(os.path.join(out_dir, f"rank{accelerator.process_index}.json"), "w") as file:
         json.dump(report, file)
 

@@ -7,7 +7,7 @@ import os
 import torch
 
 from a3po_trl.checkpoints import checkpoint_problems
-from a3po_trl.checkpoints.files import filesystem_type, list_checkpoint_files, write_manifest
+from a3po_trl.checkpoints.files import filesystem_type, list_checkpoint_files, write_manifest, written_by_processes
 
 
 def _checkpoint(folder, ranks=2):
@@ -41,6 +41,17 @@ def test_the_manifest_names_a_missing_or_resized_file_of_any_process(tmp_path):
         "rng_state_1.pth is missing (the manifest lists it)",
         "trainer_state.json has 18 bytes where the manifest says 2",
     ]
+
+
+def test_the_number_of_processes_that_wrote_a_checkpoint_is_read_from_its_manifest_or_rng_files(tmp_path):
+    folder = _checkpoint(tmp_path / "checkpoint-1", ranks=4)
+    assert written_by_processes(str(folder)) == 4  # no manifest (another trainer, an older version): the RNG files
+    write_manifest(str(folder), list_checkpoint_files(str(folder)), 3)
+    assert written_by_processes(str(folder)) == 3  # the manifest says it
+    single = _checkpoint(tmp_path / "checkpoint-2", ranks=0)
+    assert written_by_processes(str(single)) is None  # nothing says
+    torch.save({"rng": torch.ones(4)}, single / "rng_state.pth")
+    assert written_by_processes(str(single)) == 1
 
 
 def test_without_a_manifest_the_shards_an_index_names_must_be_there(tmp_path):
