@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 from datasets import Dataset
@@ -148,6 +149,14 @@ async def async_length_reward(completions, log_metric, **kwargs):
 def failing_reward(completions, **kwargs):
     """Raises, as a reward function with a bug does."""
     raise ValueError(f"cannot score {len(completions)} completions")
+
+
+def sleeping_reward(completions, started_file=None, **kwargs):
+    """Never returns in a test's time, as a reward stuck on a network call does; creates ``started_file`` first."""
+    if started_file is not None:
+        open(started_file, "w").close()
+    time.sleep(3600)
+    return [0.0] * len(completions)
 
 
 def exiting_reward(completions, **kwargs):

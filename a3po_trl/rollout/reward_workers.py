@@ -23,6 +23,7 @@ import asyncio
 import multiprocessing
 import pickle
 import sys
+import time
 import traceback
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -104,8 +105,9 @@ class RewardWorkers:
         """End the pool: cancel what is queued, give running calls ``timeout`` seconds, then end the processes."""
         processes = list((getattr(self._executor, "_processes", None) or {}).values())
         self._executor.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + timeout
         for process in processes:
-            process.join(timeout)
+            process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():  # a reward call that does not return (Python < 3.14 has no terminate_workers)
                 process.terminate()
                 process.join(5.0)

@@ -3,11 +3,12 @@ the thread, a function's error raised with its name and the worker's traceback, 
 functions that cannot be sent refused with the fix, and no process left once the pool is closed."""
 
 import math
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny import answer_reward, async_length_reward, exiting_reward, failing_reward, length_reward
+from tiny import answer_reward, async_length_reward, exiting_reward, failing_reward, length_reward, sleeping_reward
 
 from a3po_trl.rollout.reward_workers import RewardWorkers, WorkerTraceback, check_sendable
 from a3po_trl.rollout.scoring import score_completions
@@ -68,6 +69,22 @@ def test_a_worker_that_dies_is_named_and_the_pool_closes():
         score_completions(funcs, names, [None, None], ROWS, PROMPTS, COMPLETIONS, [[1]] * 4, workers=pool)
     pool.close(timeout=5.0)
     assert processes and not any(process.is_alive() for process in processes)
+
+
+def test_closing_ends_a_call_that_does_not_return(tmp_path):
+    pool = RewardWorkers([sleeping_reward], ["sleeping_reward"], num_workers=1)
+    processes = list(pool._executor._processes.values())
+    started = tmp_path / "started"
+    pending = pool.submit([0], PROMPTS, COMPLETIONS, [[1]] * 4, {"started_file": str(started)})
+    deadline = time.monotonic() + 300
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert started.exists()  # the call is running
+    start = time.monotonic()
+    pool.close(timeout=1.0)
+    assert time.monotonic() - start < 30 and not any(process.is_alive() for process in processes)
+    with pytest.raises(RuntimeError, match="'sleeping_reward'"):
+        pending.results()
 
 
 def _local_reward(completions, **kwargs):
