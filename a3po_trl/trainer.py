@@ -32,7 +32,7 @@ from .losses import DecoupledLossMixin, LossSettings
 from .metrics.deferred import resolve_metrics
 from .patches import align_position_ids_with_generation
 from .proximal import ProximalAnchor
-from .rollout.reward_workers import RewardWorkers
+from .rollout.reward_workers import RewardWorkers, start_reward_workers
 from .rollout.rollout_func import generate_completions
 from .runtime.distributed import ArrivalGate, destroy_process_group_at_exit, take_together
 from .timeline import TRAINING_LANE, TimelineRecorder, TraceWriter, TrainingStepTimeline
@@ -210,10 +210,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         self.proximal_anchor.start_run(self._plan, self._steps_in_epoch)
         self._batch_gate = ArrivalGate(self.accelerator, "a3po-take-batch", self.args.generation_poll_interval)
         self._restored = restore_run_state(self, self._plan)
-        if self.args.reward_num_workers:  # started before the producer, whose rollouts are given it
-            self._reward_workers = RewardWorkers(
-                self.reward_funcs, self.reward_func_names, self.args.reward_num_workers
-            )
+        self._reward_workers = start_reward_workers(self)  # before the producer, whose rollouts are given them
         self._producer = build_batch_producer(self, self._plan, self._restored)
         self.last_batch_producer = self._producer
         model, version = self._unwrapped_model(), self.state.global_step

@@ -20,6 +20,7 @@ functions it was scoring, and the trainer closes the pool (its processes ended) 
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import pickle
 import sys
@@ -31,6 +32,8 @@ from typing import Any
 
 from torch import nn
 from trl.trainer.utils import is_async_callable
+
+logger = logging.getLogger(__name__)
 
 PROXIED_CALLBACKS = ("log_extra", "log_metric")
 """Keyword arguments GRPOTrainer passes as bound methods of the trainer: recorded in the worker, replayed here."""
@@ -67,6 +70,18 @@ def check_sendable(reward_funcs: list, reward_func_names: list[str]) -> list[byt
                 f"(e.g. over a model) cannot cross a process boundary: {FIX}."
             ) from error
     return payloads
+
+
+def start_reward_workers(trainer) -> RewardWorkers | None:
+    """The reward workers of a ``train()`` run with ``reward_num_workers > 0`` and a function for them to call (None
+    otherwise), said once at INFO on the main process."""
+    num_workers = trainer.args.reward_num_workers
+    names = [n for f, n in zip(trainer.reward_funcs, trainer.reward_func_names) if scored_in_workers(f)]
+    if not num_workers or not names:
+        return None
+    if trainer.accelerator.is_main_process:
+        logger.info("Reward functions %s are called in %d worker processes (reward_num_workers)", names, num_workers)
+    return RewardWorkers(trainer.reward_funcs, trainer.reward_func_names, num_workers)
 
 
 class RewardWorkers:
