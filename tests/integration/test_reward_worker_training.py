@@ -7,7 +7,7 @@ import multiprocessing
 import pytest
 import torch
 from helpers import logged, make_trainer, model_weights
-from tiny import answer_reward, async_length_reward, failing_reward, length_reward
+from tiny import answer_reward, async_length_reward, exiting_reward, failing_reward, length_reward
 
 REWARDS = (length_reward, answer_reward, async_length_reward)
 SETTINGS = dict(reproducible_generation=True, max_staleness=1, max_steps=3, logging_steps=1)
@@ -41,12 +41,20 @@ def test_rewards_in_workers_train_the_threads_weights_bit_for_bit(tokenizer, tmp
     assert all(torch.equal(a[name], b[name]) for name in a)
 
 
-def test_a_reward_functions_error_in_a_worker_fails_train_with_its_name(tokenizer, tmp_path):
-    trainer = make_trainer(tokenizer, tmp_path, reward_funcs=(failing_reward,), reward_num_workers=1, max_steps=2)
-    with pytest.raises(ValueError, match="cannot score") as info:
+@pytest.mark.parametrize(
+    "reward, error, message",
+    [(failing_reward, ValueError, "cannot score"), (exiting_reward, RuntimeError, "died .*'exiting_reward'")],
+    ids=["raises", "dies"],
+)
+def test_a_reward_functions_error_or_death_in_a_worker_fails_train_with_its_name(
+    tokenizer, tmp_path, reward, error, message
+):
+    trainer = make_trainer(tokenizer, tmp_path, reward_funcs=(reward,), reward_num_workers=1, max_steps=2)
+    with pytest.raises(error, match=message) as info:
         trainer.train()
-    assert "'failing_reward' in a reward worker process" in "".join(info.value.__notes__)
-    assert "the reward worker's traceback" in str(info.value.__cause__)
+    if reward is failing_reward:
+        assert "'failing_reward' in a reward worker process" in "".join(info.value.__notes__)
+        assert "the reward worker's traceback" in str(info.value.__cause__)
     assert not multiprocessing.active_children()
 
 

@@ -3,8 +3,9 @@ the thread, a function's error raised with its name and the worker's traceback, 
 functions that cannot be sent refused with the fix, and no process left once the pool is closed."""
 
 import math
+import sys
 import time
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -102,3 +103,11 @@ def test_functions_that_cannot_be_sent_are_refused_with_the_fix():
         with pytest.raises(ValueError, match=f"'{name}' cannot be sent.*top level.*reward_num_workers=0"):
             check_sendable([length_reward, func], ["length_reward", name])
     assert len(check_sendable([_local_reward, torch.nn.Linear(1, 1)], ["a", "model"])) == 1  # models stay here
+
+
+def test_a_notebooks_function_is_refused_with_the_fix(monkeypatch):
+    notebook = ModuleType("__main__")  # an interactive session's main module has no __file__
+    monkeypatch.setitem(sys.modules, "__main__", notebook)
+    monkeypatch.setattr(_local_reward, "__module__", "__main__")
+    with pytest.raises(ValueError, match="'_local_reward' is defined in an interactive session.*a .py file"):
+        check_sendable([_local_reward], ["_local_reward"])
