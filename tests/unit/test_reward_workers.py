@@ -11,10 +11,15 @@ import pytest
 import torch
 from tiny import answer_reward, async_length_reward, exiting_reward, failing_reward, length_reward, sleeping_reward
 
-from a3po_trl.rollout.reward_workers import RewardWorkers, WorkerTraceback, check_sendable
+from a3po_trl.rollout.reward_workers import RewardWorkers, WorkerTraceback, _pickled_call, check_sendable
 from a3po_trl.rollout.scoring import score_completions
 
-FUNCS = [answer_reward, async_length_reward, length_reward, failing_reward]
+# A module that exists only in this process: its function pickles (by reference) but no worker can import it.
+ONLY_HERE = ModuleType("reward_module_only_in_this_process")
+exec("def unimportable_reward(completions, **kwargs):\n    return [0.0] * len(completions)\n", ONLY_HERE.__dict__)
+sys.modules[ONLY_HERE.__name__] = ONLY_HERE
+
+FUNCS = [answer_reward, async_length_reward, length_reward, failing_reward, ONLY_HERE.unimportable_reward]
 NAMES = [f.__name__ for f in FUNCS]
 ROWS = [{"prompt": [{"role": "user", "content": f"q{i}"}], "answer": str(i)} for i in range(4)]
 PROMPTS = [row["prompt"] for row in ROWS]
@@ -36,14 +41,14 @@ def _score(workers, skip):
         "log_metric": lambda name, value: metrics.setdefault(name, []).append(value),
     }
     rewards = score_completions(
-        FUNCS, NAMES, [None] * 4, ROWS, PROMPTS, COMPLETIONS, [[1]] * 4, kwargs, skip=skip, workers=workers
+        FUNCS, NAMES, [None] * len(FUNCS), ROWS, PROMPTS, COMPLETIONS, [[1]] * 4, kwargs, skip=skip, workers=workers
     )
     return rewards, extra, metrics
 
 
 def test_workers_score_and_log_as_the_thread(workers):
-    in_thread = _score(None, skip={3})
-    in_workers = _score(workers, skip={3})
+    in_thread = _score(None, skip={3, 4})
+    in_workers = _score(workers, skip={3, 4})
     assert torch.equal(in_thread[0].isnan(), in_workers[0].isnan())
     assert torch.equal(in_thread[0].nan_to_num(), in_workers[0].nan_to_num())
     assert math.isnan(in_workers[0][1, 0])  # None: not scored
@@ -55,11 +60,23 @@ def test_workers_score_and_log_as_the_thread(workers):
 
 def test_a_functions_error_is_raised_with_its_name_and_the_workers_traceback(workers):
     with pytest.raises(ValueError, match="cannot score 4 completions") as info:
-        _score(workers, skip=set())
+        _score(workers, skip={4})
     assert "'failing_reward' in a reward worker process" in "".join(info.value.__notes__)
     cause = info.value.__cause__
     assert isinstance(cause, WorkerTraceback) and 'raise ValueError(f"cannot score' in str(cause)
-    assert torch.isfinite(_score(workers, skip={3})[0][:, 2]).all()  # the pool scores on
+    assert torch.isfinite(_score(workers, skip={3, 4})[0][:, 2]).all()  # the pool scores on
+
+
+def test_a_function_a_worker_cannot_import_is_named_with_the_fix(workers):
+    with pytest.raises(ModuleNotFoundError, match="reward_module_only_in_this_process") as info:
+        _score(workers, skip={3})
+    assert "'unimportable_reward' could not be loaded in a reward worker process" in "".join(info.value.__notes__)
+    assert "top level of an importable module" in "".join(info.value.__notes__)
+
+
+def test_arguments_that_cannot_be_sent_are_named():
+    with pytest.raises(TypeError, match="reward keyword argument 'judge_client'.*reward_num_workers=0"):
+        _pickled_call(PROMPTS, COMPLETIONS, [[1]] * 4, {"judge_client": lambda text: text})
 
 
 def test_a_worker_that_dies_is_named_and_the_pool_closes():
