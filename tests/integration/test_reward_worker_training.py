@@ -24,15 +24,20 @@ LOGGED = [
 ]
 
 
+def _new_children(before: set) -> list:
+    """The multiprocessing children started since ``before`` that are still alive (a test's own, not another's)."""
+    return [child for child in multiprocessing.active_children() if child not in before]
+
+
 def test_rewards_in_workers_train_the_threads_weights_bit_for_bit(tokenizer, tmp_path):
-    runs = {}
+    before, runs = set(multiprocessing.active_children()), {}
     for workers in (0, 2):
         trainer = make_trainer(
             tokenizer, tmp_path / str(workers), reward_funcs=REWARDS, reward_num_workers=workers, **SETTINGS
         )
         trainer.train()
         runs[workers] = trainer
-        assert not multiprocessing.active_children()  # the pool ended with train()
+        assert not _new_children(before)  # the pool ended with train()
     in_thread, in_workers = runs[0], runs[2]
     for key in LOGGED:
         assert logged(in_thread, key) and logged(in_thread, key) == logged(in_workers, key), key
@@ -49,13 +54,14 @@ def test_rewards_in_workers_train_the_threads_weights_bit_for_bit(tokenizer, tmp
 def test_a_reward_functions_error_or_death_in_a_worker_fails_train_with_its_name(
     tokenizer, tmp_path, reward, error, message
 ):
+    before = set(multiprocessing.active_children())
     trainer = make_trainer(tokenizer, tmp_path, reward_funcs=(reward,), reward_num_workers=1, max_steps=2)
     with pytest.raises(error, match=message) as info:
         trainer.train()
     if reward is failing_reward:
         assert "'failing_reward' in a reward worker process" in "".join(info.value.__notes__)
         assert "the reward worker's traceback" in str(info.value.__cause__)
-    assert not multiprocessing.active_children()
+    assert not _new_children(before)
 
 
 def test_a_reward_function_that_cannot_be_sent_is_refused_when_the_trainer_is_built(tokenizer, tmp_path):
