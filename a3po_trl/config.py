@@ -100,6 +100,11 @@ class AsyncA3POConfig(GRPOConfig):
             Seconds between checks of the generation thread's health while the trainer waits for samples.
         generation_stop_timeout (`float`, *optional*, defaults to `30.0`):
             Seconds `train()` waits for the generation thread to stop; a thread still running is left with a warning.
+        reward_num_workers (`int`, *optional*, defaults to `0`):
+            Worker processes that call the plain and `async def` reward functions, off the trainer's interpreter (a
+            CPU-heavy pure-Python reward then does not stall the training thread); reward models stay in the trainer.
+            Each function must be defined at the top level of an importable module. `0`: they run in the generation
+            thread. See docs/USAGE.md#rewards-in-worker-processes.
 
         > Parameters that control the vLLM backend (`use_vllm=True`; GRPOConfig's `vllm_*` fields keep their meaning)
 
@@ -240,6 +245,12 @@ class AsyncA3POConfig(GRPOConfig):
         default=30.0,
         metadata={"help": "Seconds train() waits for the generation thread to stop on exit."},
     )
+    reward_num_workers: int = field(
+        default=0,
+        metadata={
+            "help": "Worker processes that call the reward functions (not reward models); 0: the generation thread."
+        },
+    )
     weight_sync_timeout: float = field(
         default=300.0,
         metadata={"help": "Seconds loading one weight version into a vLLM server may take before the run fails."},
@@ -332,6 +343,13 @@ class AsyncA3POConfig(GRPOConfig):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value} must be a positive integer or None.")
+        if isinstance(self.reward_num_workers, bool) or not isinstance(self.reward_num_workers, int):
+            raise ValueError(f"reward_num_workers={self.reward_num_workers!r} must be an integer (0: no workers).")
+        if self.reward_num_workers < 0:
+            raise ValueError(
+                f"reward_num_workers={self.reward_num_workers} must be 0 (rewards in the generation thread) or a "
+                "positive number of worker processes."
+            )
         timeouts = ("generation_stop_timeout", "weight_sync_timeout", "vllm_request_timeout")
         for name in ("generation_poll_interval", *timeouts):
             if not getattr(self, name) > 0:

@@ -32,6 +32,7 @@ from .losses import DecoupledLossMixin, LossSettings
 from .metrics.deferred import resolve_metrics
 from .patches import align_position_ids_with_generation
 from .proximal import ProximalAnchor
+from .rollout.reward_workers import RewardWorkers, start_reward_workers
 from .rollout.rollout_func import generate_completions
 from .runtime.distributed import ArrivalGate, destroy_process_group_at_exit, take_together
 from .timeline import TRAINING_LANE, TimelineRecorder, TraceWriter, TrainingStepTimeline
@@ -61,10 +62,11 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
     ``GRPOConfig`` is converted with :meth:`~a3po_trl.AsyncA3POConfig.from_grpo_config` (A-3PO settings at their
     defaults, with a warning).
 
-    Reward functions run in the generation thread. They receive what GRPOTrainer passes (``prompts``,
-    ``completions``, ``completion_ids``, the dataset columns, ``log_metric``, ``log_extra``), and as ``trainer_state``
-    a snapshot of the trainer state at the optimizer step whose weights generated the batch (the live state belongs to
-    the training thread). ``async def`` reward functions run on TRL's event loop.
+    Reward functions run in the generation thread (in worker processes with ``reward_num_workers > 0``). They receive
+    what GRPOTrainer passes (``prompts``, ``completions``, ``completion_ids``, the dataset columns, ``log_metric``,
+    ``log_extra``), and as ``trainer_state`` a snapshot of the trainer state at the optimizer step whose weights
+    generated the batch (the live state belongs to the training thread). ``async def`` reward functions run on TRL's
+    event loop.
 
     Example:
 
@@ -126,6 +128,8 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         """The batch producer of the latest `train()` call, kept after it stops for inspection (counters, queue,
         backend)."""
         self._backend: GenerationBackend | None = None
+        self._reward_workers: RewardWorkers | None = None
+        """The reward worker processes of the current run (``reward_num_workers > 0``), closed with the producer."""
         self._run_start_step = 0
         self._steps_in_epoch: int | None = None
         self._batch_gate: ArrivalGate | None = None
@@ -206,6 +210,7 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         self.proximal_anchor.start_run(self._plan, self._steps_in_epoch)
         self._batch_gate = ArrivalGate(self.accelerator, "a3po-take-batch", self.args.generation_poll_interval)
         self._restored = restore_run_state(self, self._plan)
+        self._reward_workers = start_reward_workers(self)  # before the producer, whose rollouts are given them
         self._producer = build_batch_producer(self, self._plan, self._restored)
         self.last_batch_producer = self._producer
         model, version = self._unwrapped_model(), self.state.global_step
@@ -214,10 +219,15 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
     def _stop_producer(self) -> BaseException | None:
         """Stop and join the generation thread. Returns the thread's exception that no batch request re-raised (it
         failed after the last batch the trainer took), if any."""
-        if self._producer is None:
-            return None
-        producer, self._producer = self._producer, None
-        return producer.shut_down(timeout=self.args.generation_stop_timeout)
+        workers, self._reward_workers = self._reward_workers, None
+        try:
+            if self._producer is None:
+                return None
+            producer, self._producer = self._producer, None
+            return producer.shut_down(timeout=self.args.generation_stop_timeout)
+        finally:
+            if workers is not None:  # after the thread: a batch it is scoring finishes, or fails when they end
+                workers.close(timeout=self.args.generation_stop_timeout)
 
     def _get_output_dir(self, trial):
         # While a checkpoint is written, transformers' save writes into its staging folder (see checkpoints/saves.py).

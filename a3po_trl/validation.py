@@ -20,6 +20,7 @@ from .generation.hf.sampling import processed_sampling, samples_with_own_stream,
 from .generation.vllm.in_flight import IN_FLIGHT_LORA_REFUSAL
 from .generation.vllm.server_in_flight import IN_FLIGHT_SERVER_LORA_REFUSAL
 from .patches import peft_base_model
+from .rollout.reward_workers import check_sendable
 
 logger = logging.getLogger(__name__)
 
@@ -252,7 +253,22 @@ def check_trainer(trainer) -> None:
                 "steps_per_generation."
             )
     _check_dynamic_sampling(trainer)
+    _check_reward_workers(trainer)
     _warn_about_dropout(trainer)
+
+
+def _check_reward_workers(trainer) -> None:
+    """With ``reward_num_workers > 0`` every reward function must be sendable to a process, and no environment may be
+    passed to them (environments live in the trainer's process, and their state is what ``get_reward`` reads)."""
+    if not trainer.args.reward_num_workers:
+        return
+    if getattr(trainer, "environment_factories", None) is not None:
+        raise ValueError(
+            "reward_num_workers > 0 cannot be combined with environment_factory: reward functions receive the "
+            "environments of the trainer's process, whose state a worker process cannot see. Set "
+            "reward_num_workers=0."
+        )
+    check_sendable(trainer.reward_funcs, trainer.reward_func_names)
 
 
 def _check_dynamic_sampling(trainer) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -125,6 +128,40 @@ def length_reward(completions, **kwargs):
 def digit_reward(completions, **kwargs):
     texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
     return [sum(ch.isdigit() for ch in t) / 4.0 for t in texts]
+
+
+def answer_reward(completions, answer, trainer_state, log_extra, log_metric, **kwargs):
+    """Uses what GRPOTrainer passes besides the completions: a dataset column, the trainer state, both logging
+    callbacks; and leaves completions without a digit unscored (None). Module-level, so that reward worker processes
+    (``reward_num_workers``) can import it."""
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    log_extra("answer_seen", list(answer))
+    log_metric("answer_reward/step", float(trainer_state.global_step) if trainer_state is not None else -1.0)
+    return [None if not any(ch.isdigit() for ch in t) else float(a in t) for t, a in zip(texts, answer)]
+
+
+async def async_length_reward(completions, log_metric, **kwargs):
+    """``length_reward``, as an ``async def`` function that logs a metric."""
+    log_metric("async_length_reward/calls", 1.0)
+    return length_reward(completions)
+
+
+def failing_reward(completions, **kwargs):
+    """Raises, as a reward function with a bug does."""
+    raise ValueError(f"cannot score {len(completions)} completions")
+
+
+def sleeping_reward(completions, started_file=None, **kwargs):
+    """Never returns in a test's time, as a reward stuck on a network call does; creates ``started_file`` first."""
+    if started_file is not None:
+        open(started_file, "w").close()
+    time.sleep(3600)
+    return [0.0] * len(completions)
+
+
+def exiting_reward(completions, **kwargs):
+    """Ends its process without a word, as a worker killed by the out-of-memory killer does."""
+    os._exit(3)
 
 
 def make_vllm_model(tokenizer, seed: int = 0, tie_word_embeddings: bool = True) -> LlamaForCausalLM:

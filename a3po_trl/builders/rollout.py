@@ -57,6 +57,7 @@ def rollout_settings(trainer, batch_numbers=None) -> RolloutSettings:
         ),
         deferred_reward_columns=deferred_reward_columns(trainer),
         async_loop=getattr(trainer, "async_loop", None),
+        reward_workers=getattr(trainer, "_reward_workers", None),
         chat_template_kwargs=template_kwargs,
         agent=agent_settings(
             trainer, tokenizer, args.refresh_weights_between_turns and not args.reproducible_generation

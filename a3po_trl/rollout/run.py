@@ -21,6 +21,7 @@ from ..padding import pad_rows, pad_values
 from ..timeline import record_in_batch_span
 from ..types import ScoredBatch, ToolStats
 from .multi_turn import AgentSettings, generate_with_tools, prepare_agent_prompts, prompt_tools
+from .reward_workers import RewardWorkers
 from .rollout_func import run_rollout_func
 from .scoring import score_completions
 from .trajectories import NO_VERSION, Trajectories
@@ -48,6 +49,9 @@ class RolloutSettings:
     """Reward functions left to the trainer's main thread (reward models partitioned by ZeRO-3)."""
     async_loop: Any = None
     """Event loop that runs ``async def`` reward functions (TRL's daemon loop)."""
+    reward_workers: RewardWorkers | None = None
+    """The worker processes that call the plain and ``async def`` reward functions (``reward_num_workers > 0``), or
+    None: they run in the generation thread."""
     chat_template_kwargs: dict = field(default_factory=dict)
     agent: AgentSettings | None = None
     """Tools and environments (multi-turn rollouts), or None."""
@@ -160,6 +164,7 @@ def run_rollout(
         skip=settings.deferred_reward_columns,
         async_loop=settings.async_loop,
         chat_template_kwargs=settings.chat_template_kwargs,
+        workers=settings.reward_workers,
     )
     end = time.perf_counter()
     timings["rewards"] = end - start

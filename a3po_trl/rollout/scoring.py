@@ -17,6 +17,8 @@ from torch import nn
 from trl.data_utils import apply_chat_template, is_conversational
 from trl.trainer.utils import is_async_callable
 
+from .reward_workers import RewardWorkers
+
 logger = logging.getLogger(__name__)
 
 
@@ -33,24 +35,29 @@ def score_completions(
     skip: frozenset[int] | set[int] = frozenset(),
     async_loop: asyncio.AbstractEventLoop | None = None,
     chat_template_kwargs: dict | None = None,
+    workers: RewardWorkers | None = None,
 ) -> torch.Tensor:
     """``(B, F)`` float32 rewards from each reward function, locally (no gather). None becomes NaN.
 
     Reward functions follow TRL's signature ``f(prompts, completions, completion_ids, **columns, **extra_kwargs)``;
     ``async def`` functions run concurrently on ``async_loop`` (TRL's daemon loop; a private one when ``None``);
     reward models (``nn.Module``) score the prompt + completion text. Columns listed in ``skip`` are left NaN (scored
-    elsewhere). A function that raises has its name added to the error.
+    elsewhere). A function that raises has its name added to the error. With ``workers``
+    (:class:`~a3po_trl.rollout.reward_workers.RewardWorkers`), plain and ``async def`` functions are called in its
+    processes while the reward models score here; their values are converted here, as in the thread.
     """
     rewards = torch.full((len(prompts), len(reward_funcs)), torch.nan, dtype=torch.float32)
     columns = {
         key: [row[key] for row in rows] for key in rows[0] if key not in ("prompt", "completion", "completion_ids")
     }
     columns.update(extra_kwargs or {})
+    in_workers = [] if workers is None else [i for i in workers.worker_indices if i not in skip]
+    in_flight = workers.submit(in_workers, prompts, completions, completion_ids, columns) if in_workers else None
     pending_async = []
     for i, (func, name, processing_class) in enumerate(
         zip(reward_funcs, reward_func_names, reward_processing_classes, strict=True)
     ):
-        if i in skip:
+        if i in skip or i in in_workers:
             continue
         if is_async_callable(func):
             pending_async.append((i, func, name))
@@ -61,6 +68,11 @@ def score_completions(
             else:
                 values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
         rewards[:, i] = torch.tensor(_as_reward_list(values, name, len(prompts)), dtype=torch.float32)
+    if in_flight is not None:
+        for i, values in in_flight.results().items():
+            rewards[:, i] = torch.tensor(
+                _as_reward_list(values, reward_func_names[i], len(prompts)), dtype=torch.float32
+            )
     if pending_async:
 
         async def call(func, name):

@@ -52,6 +52,7 @@ RECORD_PATTERNS = (
     "compiled-decode.json",
     "lora_memory-*.json",
     "timeline_overhead.json",
+    "reward_workers-*.json",
     "demo-*.json",
 )
 

@@ -57,6 +57,10 @@ SMOKE_TESTS = {
         "tests/end_to_end/test_time_to_accuracy.py",
         "test_quick_run_summarizes_and_skips_finished_runs",
     ),
+    "reward_workers": (
+        "tests/end_to_end/test_benchmark_scripts.py",
+        "test_reward_workers_smoke_run_records_every_arm",
+    ),
     "timeline_overhead": (
         "tests/end_to_end/test_benchmark_scripts.py",
         "test_timeline_overhead_smoke_run_measures_everything",
@@ -94,6 +98,29 @@ def test_timeline_overhead_smoke_run_measures_everything(tmp_path):
     assert results["spans_per_step"] >= 8  # a step, its parts, the batch and its parts, the publication
     assert len(results["step_times_on"]) == len(results["step_times_off"]) == 1
     assert validate(results["provenance"], "overhead.json")["unrecorded"] == []
+
+
+def test_the_heavy_math_reward_checks_the_last_expression_exactly():
+    from benchmarks.common.math_reward import math_verify_reward, parse
+
+    assert parse("(2 + 3) * 4 / -2") == -10 and parse("1.5 * 2") == 3
+    texts = ["3 + 4 = 7", "(2*3)+1", "it is 8", "no answer", "7 / 0", "7.0"]
+    completions = [[{"role": "assistant", "content": text}] for text in texts]
+    assert math_verify_reward(completions, ["7"] * len(texts)) == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
+
+
+def test_reward_workers_smoke_run_records_every_arm(tmp_path):
+    record = load_script("reward_workers").main(["--smoke", "--out", str(tmp_path / "reward_workers.json")])
+    assert json.loads((tmp_path / "reward_workers.json").read_text()) == json.loads(json.dumps(record))
+    assert [run["arm"] for run in record["runs"]] == ["grpo", "thread", "workers"]
+    for run in record["runs"]:
+        assert len(run["step_seconds"]) == len(run["stall_seconds"]) == len(run["trainer_wait_seconds"]) == 3
+        assert all(math.isfinite(value) and value >= 0 for value in run["stall_seconds"])
+        assert validate(run["provenance"], run["arm"])["unrecorded"] == []
+    assert record["runs"][1]["trainer_wait_seconds"] != [0.0] * 3  # the asynchronous arms' waits are read
+    assert record["meta"]["reward_seconds_per_batch"] > 0 and record["meta"]["reward_num_workers"] == 1
+    assert set(record["summary"]) >= {"grpo", "thread", "workers", "workers_over_thread_step_time"}
+    assert validate(record["meta"]["provenance"], "reward_workers.json")["unrecorded"] == []
 
 
 def test_task_probe_runs_on_a_tiny_model(tmp_path, capsys):

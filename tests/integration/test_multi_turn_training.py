@@ -283,6 +283,23 @@ def test_an_error_outside_a_tool_reaches_train(tool_tokenizer, tmp_path):
         trainer.train()
 
 
+def test_environments_are_refused_with_reward_workers(tool_tokenizer, tmp_path):
+    class Lamp:
+        def reset(self, **kwargs):
+            return None
+
+        def switch(self) -> int:
+            """
+            Switch the lamp.
+            """
+            return 1
+
+    with pytest.raises(ValueError, match="reward_num_workers > 0 cannot be combined with environment_factory"):
+        make_tool_trainer(
+            tool_tokenizer, tmp_path, tool_script(), env=Lamp, reward_funcs=[zero_reward], reward_num_workers=1
+        )
+
+
 def test_slow_and_raising_tools_through_train(tool_tokenizer, tmp_path):
     def flaky(a: int, b: int) -> int:
         """

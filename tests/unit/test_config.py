@@ -93,6 +93,9 @@ BAD_CONFIGS = [
     ({"generation_num_threads": 0}, "generation_num_threads=0"),
     ({"generation_poll_interval": 0}, "generation_poll_interval=0"),
     ({"generation_stop_timeout": -1}, "generation_stop_timeout=-1"),
+    ({"reward_num_workers": -1}, "reward_num_workers=-1"),
+    ({"reward_num_workers": 1.5}, "reward_num_workers=1.5"),
+    ({"reward_num_workers": True}, "reward_num_workers=True"),
 ]
 
 
