@@ -1,4 +1,4 @@
-"""``prox_logp_method="guarded"`` on two processes (gloo: DDP, DeepSpeed ZeRO-3, FSDP2): one check over every
+"""``prox_logp_method="guarded"`` on two processes (gloo: DDP, ZeRO-2, ZeRO-3, FSDP2): one check over every
 process's tokens, one decision for all, even when the processes' own tokens would decide differently; the exact
 reference computed from the kept weights however the parameters are held (ZeRO-3 steps its optimizer inside the
 backward, so a copy taken after it would make the reference the trained weights' own: no drift, an infinite error)."""
@@ -14,8 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "guarded_tiny.py")
 
 
-def _launch(tmp_path, name, lora):
-    flags = ["--lora"] if lora else []
+def _launch(tmp_path, name, lora, invariant):
+    flags = [*(["--lora"] if lora else []), "--invariant", invariant]
     if name == "fsdp2":
         return launch_fsdp2(tmp_path, SCRIPT, *flags, "--fsdp2", timeout=900)
     config = tmp_path / f"{name}.yaml"
@@ -29,10 +29,17 @@ def _launch(tmp_path, name, lora):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "name, lora", [("ddp", False), ("ddp", True), ("zero3", True), ("fsdp2", False)], ids=lambda v: str(v)
+    "name, lora, invariant",
+    [("ddp", False, "full"), ("zero2", True, "lora"), ("zero3", True, "full,lora"), ("fsdp2", False, "full")],
+    ids=lambda v: str(v),
 )
-def test_two_processes_switch_together_on_their_pooled_check(tmp_path, name, lora):
-    result, out = _launch(tmp_path, name, lora)
+def test_two_processes_switch_together_on_their_pooled_check(tmp_path, name, lora, invariant):
+    """Then, in the same launch, the outcome invariant (docs/RELIABILITY.md): with a budget no check reaches, guarded
+    trains what loglinear trains, bit for bit, with gradient accumulation 2 and the default interval, for the models
+    in ``invariant`` (LoRA on ZeRO-2 and ZeRO-3, every weight on DDP, ZeRO-3 and FSDP2: under FSDP2 the root, kept
+    gathered after the check's forward, must train with the trained weights; under ZeRO-3 each process keeps and
+    exchanges its partition, and the next gather sees it; FSDP2 with LoRA trains nothing the root holds)."""
+    result, out = _launch(tmp_path, name, lora, invariant)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     first, second = (json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2))
     # process 1's interpolation was wrong while batch 1 trained (steps 2-3): both trained batch 2 with recompute
@@ -43,3 +50,15 @@ def test_two_processes_switch_together_on_their_pooled_check(tmp_path, name, lor
     )  # batch 3's check settles only with a batch 4
     if name == "ddp":  # whole parameters on each process (sharded ones differ by construction)
         assert first["weights"] == second["weights"]
+    for report in (first, second):
+        assert sorted(report["invariant"]) == sorted(invariant.split(","))
+        for model, outcome in report["invariant"].items():
+            assert outcome["checks"] >= 1 and outcome["trained"], (model, outcome)
+            assert outcome["equal"] and outcome["losses_equal"], (name, model, outcome)
+            # every micro-step of the checked batch 1 (steps 2 and 3, two micro-steps each) took a reference equal
+            # to the forward of the version before the trained weights, bit for bit
+            assert outcome["reference_steps"] == [2, 2, 3, 3], outcome
+            assert outcome["reference_max_abs_diff"] == 0.0, (name, model, outcome)
+            # what each process keeps: its shard (FSDP2) or partition (ZeRO-3), about half the model (uneven splits)
+            kept, whole = outcome["kept_bytes"], outcome["trainable_bytes"]
+            assert (0.45 * whole < kept < 0.55 * whole) if name in ("zero3", "fsdp2") else kept == whole, outcome
