@@ -122,6 +122,11 @@ def test_swapping_into_another_model_is_refused(tokenizer):
     with pytest.raises(RuntimeError, match="not those kept"):
         with kept.swapped_in(other):
             pass
+    state = kept.state()  # kept under another sharding: half of each parameter, as one of two processes holds it
+    kept.load_state({**state, "values": [value.flatten()[: value.numel() // 2] for value in state["values"]]})
+    with pytest.raises(RuntimeError, match="another sharding"):
+        with kept.swapped_in(make_model(tokenizer)):
+            pass
 
 
 @pytest.fixture

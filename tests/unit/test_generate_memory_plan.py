@@ -113,6 +113,9 @@ def test_a_runs_setup_reads_the_decode_pool_and_autocast_from_its_arguments_and_
     assert setup.autocast_copy_dtype == (BF16 if bf16 else None)  # fp32 weights under bf16 autocast
     chunked = generator_setup(make_trainer(tokenizer, tmp_path, generation_batch_chunk_size=2))
     assert chunked.generation_rows == 2
+    assert not setup.keeps_previous_weights  # loglinear keeps no weights; guarded does, whole on one process
+    guarded = generator_setup(make_trainer(tokenizer, tmp_path, prox_logp_method="guarded"))
+    assert guarded.keeps_previous_weights and guarded.parameter_shards == 1
 
 
 def test_the_guarded_methods_kept_weights_are_counted_and_warned_of_when_they_eat_the_reserve():
