@@ -49,7 +49,9 @@ class AsyncA3POConfig(GRPOConfig):
             error exceeds `prox_error_budget`). See docs/ARCHITECTURE.md#the-settings-in-full.
         prox_check_interval (`int`, *optional*, defaults to `2`):
             With `prox_logp_method="guarded"`: check the interpolation on batches 1, 1 + N, 1 + 2N, ... (one no-grad
-            forward over the batch, a copy of the trainable weights). The default is the oracle study's.
+            forward over the batch, with its dropout masks the training forward's; and a copy of the trainable weights
+            on the training device: at 7B, 14 GB per GPU in bf16, 28 GB for float32 weights, divided by the processes
+            under FSDP2/ZeRO-3, the adapters only with LoRA; see docs/GPU.md). The default is the oracle study's.
         prox_error_budget (`float`, *optional*, defaults to `1.0`):
             With `prox_logp_method="guarded"`: the largest error of the interpolation a check accepts, relative to one
             optimizer step's drift on the same tokens; above it the batches train with the recomputed anchor until a
@@ -158,7 +160,11 @@ class AsyncA3POConfig(GRPOConfig):
     )
     prox_check_interval: int = field(
         default=2,
-        metadata={"help": "prox_logp_method='guarded': check the interpolation every this many generation batches."},
+        metadata={
+            "help": "prox_logp_method='guarded': check the interpolation every this many generation batches (each "
+            "check keeps a copy of the trainable weights: 14 GB per GPU at 7B in bf16, divided by the processes under "
+            "FSDP2/ZeRO-3, the adapters with LoRA)."
+        },
     )
     prox_error_budget: float = field(
         default=1.0,

@@ -142,6 +142,11 @@ def generator_setup(trainer) -> GeneratorSetup:
         training_state_allocated=bool(trainer.is_deepspeed_enabled or getattr(trainer.optimizer, "state", None)),
         processes_on_node=processes_on_node(),
         autocast_copy_dtype=half if casts_weights else None,  # DeepSpeed holds half weights; FSDP casts per layer
+        keeps_previous_weights=args.prox_logp_method == "guarded",
+        parameter_shards=processes if shards_parameters(trainer) else 1,
+        training_device_total_bytes=(
+            torch.cuda.get_device_properties(training_device).total_memory if training_device.type == "cuda" else None
+        ),
         **generation,
     )
 

@@ -16,8 +16,13 @@ is not running), so it measures each thread's own work:
 The figures count a thread's torch operations only where they run on that thread: kernel launches on a GPU, and on
 CPU the ops of a thread with one intra-op thread (``generation_num_threads=1``, ``training_num_threads=1``); with more
 intra-op threads the work runs on worker threads, the threads' CPU time undercounts it, and the rule stays silent. A
-GPU-bound step (the device's time fills it) has ``G + T`` far under ``S`` and is not reported. Where two cores run the
-threads at once, ``S`` is under ``G + T``: not reported either.
+GPU-bound step (the device's time fills it) has ``G + T`` far under ``S`` and is not reported, provided the threads
+sleep while they wait for the device. CUDA's synchronizations spin by default (``cudaDeviceScheduleAuto`` busy-waits
+while a process has fewer contexts than cores): a thread blocked in ``.item()``, ``synchronize()`` or a blocking copy
+counts CPU time while the device works, so on a GPU a device-bound step can read as Python-bound and the warning can
+fire where the overlap does hide work. Neither clock tells spinning from work; on a GPU the warning is a hint, to be
+confirmed by ``scripts/gpu_check.py``'s ``bound`` (which profiles the device's busy share first, docs/GPU.md) before
+acting on it. Where two cores run the threads at once, ``S`` is under ``G + T``: not reported either.
 """
 
 from __future__ import annotations
@@ -70,7 +75,9 @@ def overlap_message(steps: tuple[int, int], step_seconds: float, trainer_cpu: fl
         "other. The two threads take turns on Python's interpreter lock (a small model, or a GPU launching small "
         "kernels), and the overlap costs more than it hides: GRPOTrainer's synchronous step is likely faster here. "
         "Generate with vLLM (use_vllm=True, vllm_mode='colocate' or 'server': its engine keeps Python off the "
-        "per-token path), or set async_generation=False. See docs/GPU.md, 'Which generation path on a GPU'."
+        "per-token path), or set async_generation=False. See docs/GPU.md, 'Which generation path on a GPU'. On a GPU, "
+        "first rule out a device-bound step: a thread waiting for the GPU spins in CUDA's synchronizations and counts "
+        "CPU time too (scripts/gpu_check.py's 'bound' profiles the device)."
     )
 
 

@@ -122,3 +122,53 @@ def test_swapping_into_another_model_is_refused(tokenizer):
     with pytest.raises(RuntimeError, match="not those kept"):
         with kept.swapped_in(other):
             pass
+    state = kept.state()  # kept under another sharding: half of each parameter, as one of two processes holds it
+    kept.load_state({**state, "values": [value.flatten()[: value.numel() // 2] for value in state["values"]]})
+    with pytest.raises(RuntimeError, match="another sharding"):
+        with kept.swapped_in(make_model(tokenizer)):
+            pass
+
+
+@pytest.fixture
+def one_gloo_process(monkeypatch):
+    """A one-process gloo group (FSDP2's ``fully_shard`` over a world of one), destroyed after the test."""
+    import torch.distributed as dist
+    from helpers import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-embeddings"])
+def test_under_fsdp2_the_modules_kept_gathered_train_with_the_trained_weights_after_the_exchange(
+    tokenizer, one_gloo_process, tied
+):
+    """FSDP2 keeps the root's parameters (final norm, lm_head, tied embeddings) gathered after a forward
+    (``reshard_after_forward=False``): the exchanged forward leaves them holding the kept version, and the next forward
+    (the training one) must gather the trained version again, not run with the kept one."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model(tokenizer, tie_word_embeddings=tied)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model, reshard_after_forward=False)
+    ids = torch.randint(0, len(tokenizer), (2, 6), generator=torch.Generator().manual_seed(0))
+
+    def logits():
+        with torch.no_grad():
+            return model(ids).logits
+
+    version_0 = logits()  # also leaves the root gathered, as a training forward before keep() does
+    kept = PreviousVersionWeights()
+    kept.keep(model, version=0)
+    with torch.no_grad():  # an optimizer step: every shard moves
+        for parameter in model.parameters():
+            parameter.to_local().add_(0.05)
+    version_1 = logits()
+    assert not torch.equal(version_0, version_1)
+    with kept.swapped_in(model):
+        torch.testing.assert_close(logits(), version_0, rtol=0, atol=0)
+    torch.testing.assert_close(logits(), version_1, rtol=0, atol=0)  # not the kept version's root
+    with kept.swapped_in(model):  # and the kept copy is version 0's again
+        torch.testing.assert_close(logits(), version_0, rtol=0, atol=0)

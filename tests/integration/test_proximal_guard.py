@@ -182,11 +182,47 @@ def test_with_lora_the_guard_keeps_only_the_adapters(tokenizer, tmp_path):
     assert len(logged(trainer, "a3po/prox_check_error")) == 1
 
 
-def test_within_budget_the_guarded_run_trains_exactly_as_loglinear(tokenizer, tmp_path):
-    guarded = make_trainer(tokenizer, tmp_path / "guarded", **{**SETTINGS, "max_steps": 8, "prox_error_budget": 1e9})
+def _with_attention_dropout(model, probability=0.3):
+    """``model`` (tiny.py's Llama) with dropout on its attention weights while training."""
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = probability
+    return model
+
+
+#: Outcome invariant (docs/RELIABILITY.md): with a budget no check reaches, the guarded run trains what loglinear
+#: trains, bit for bit: every batch checked (interval 1, two optimizer steps per batch); gradient accumulation 2 at
+#: the default interval with dropout on (the check's forward draws the training forward's dropout masks and leaves
+#: its random state as it found it); LoRA (only the adapters kept and exchanged). Each run settles two checks.
+WITHIN_BUDGET = {
+    "interval-1": dict(),
+    "accumulation-2-default-interval-dropout": dict(
+        max_steps=10,
+        prox_check_interval=2,
+        gradient_accumulation_steps=2,
+        steps_per_generation=4,
+        disable_dropout=False,
+    ),
+    "lora-accumulation-2": dict(
+        max_steps=10, prox_check_interval=2, gradient_accumulation_steps=2, steps_per_generation=4
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(WITHIN_BUDGET))
+def test_within_budget_the_guarded_run_trains_exactly_as_loglinear(tokenizer, tmp_path, case):
+    settings = {**SETTINGS, "max_steps": 8, **WITHIN_BUDGET[case]}
+
+    def model():
+        if case.startswith("lora"):
+            from peft import get_peft_model
+
+            return get_peft_model(make_model(tokenizer), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+        return _with_attention_dropout(make_model(tokenizer)) if settings.get("disable_dropout") is False else None
+
+    guarded = make_trainer(tokenizer, tmp_path / "guarded", model=model(), **{**settings, "prox_error_budget": 1e9})
     guarded.train()
     loglinear = make_trainer(
-        tokenizer, tmp_path / "loglinear", **{**SETTINGS, "max_steps": 8, "prox_logp_method": "loglinear"}
+        tokenizer, tmp_path / "loglinear", model=model(), **{**settings, "prox_logp_method": "loglinear"}
     )
     loglinear.train()
     assert len(logged(guarded, "a3po/prox_check_error")) == 2  # it checked, and the checks changed nothing

@@ -113,3 +113,44 @@ def test_a_runs_setup_reads_the_decode_pool_and_autocast_from_its_arguments_and_
     assert setup.autocast_copy_dtype == (BF16 if bf16 else None)  # fp32 weights under bf16 autocast
     chunked = generator_setup(make_trainer(tokenizer, tmp_path, generation_batch_chunk_size=2))
     assert chunked.generation_rows == 2
+    assert not setup.keeps_previous_weights  # loglinear keeps no weights; guarded does, whole on one process
+    guarded = generator_setup(make_trainer(tokenizer, tmp_path, prox_logp_method="guarded"))
+    assert guarded.keeps_previous_weights and guarded.parameter_shards == 1
+
+
+def test_the_guarded_methods_kept_weights_are_counted_and_warned_of_when_they_eat_the_reserve():
+    """``prox_logp_method="guarded"`` keeps a copy of the trainable weights on the training device: Qwen2.5-7B in
+    bf16 unsharded, 14.2 GiB per GPU (28.4 in fp32), an eighth of it under FSDP2 or ZeRO-3 on 8 GPUs, the adapters
+    only with LoRA; a plan it pushes under the reserve is warned of, naming it (also on a training GPU that does not
+    generate)."""
+    from a3po_trl.generation.weights.memory_plan import KEPT_WEIGHTS
+
+    model = make_meta_qwen25("7b").to(BF16)
+    n = sum(p.numel() for p in model.parameters())
+    setup = generate_setup(
+        kv_bytes_per_token=kv_bytes_per_token(model.config, BF16), vocab_size=model.config.vocab_size,
+        autocast_copy_dtype=None, staging_device=CPU, training_state_allocated=True,
+    )  # fmt: skip
+    assert KEPT_WEIGHTS not in items(plan_generator_memory(model, setup))  # not guarded: nothing kept
+    guarded = generate_setup(**{**setup.__dict__, "keeps_previous_weights": True})
+    kept = items(plan_generator_memory(model, guarded))[KEPT_WEIGHTS]
+    assert kept == 2 * n and 14 < kept / GIB < 14.5
+    assert items(plan_generator_memory(model.to(FP32), guarded))[KEPT_WEIGHTS] == 4 * n  # fp32 trainable weights
+    sharded = generate_setup(**{**guarded.__dict__, "sharded": True, "parameter_shards": 8})
+    assert items(plan_generator_memory(model.to(BF16), sharded))[KEPT_WEIGHTS] == 2 * n // 8
+    for name, parameter in model.named_parameters():  # LoRA-like: only some weights train
+        parameter.requires_grad_("q_proj" in name)
+    adapters = 2 * sum(p.numel() for name, p in model.named_parameters() if "q_proj" in name)
+    assert items(plan_generator_memory(model, guarded))[KEPT_WEIGHTS] == adapters
+    model.requires_grad_(True)
+
+    without = plan_generator_memory(model, setup)
+    reserve = DEVICE_STAGING_RESERVE * setup.device_total_bytes
+    free = {"cuda:0": int(without.device_bytes + reserve + GIB)}  # room for the reserve, not for the kept copy too
+    assert without.reserve_warning(free) is None
+    warning = plan_generator_memory(model, guarded).reserve_warning(free)
+    assert "14.2 GiB are prox_logp_method='guarded''s kept copy" in warning
+    assert "prox_logp_method='loglinear'" in warning and "LoRA" in warning and "FSDP2 or ZeRO-3" in warning
+    apart = {**guarded.__dict__, "generation_device": torch.device("cuda:1"), "training_device_total_bytes": 80 * GIB}
+    apart_plan = plan_generator_memory(model, generate_setup(**apart))
+    assert "of cuda:0 free" in apart_plan.reserve_warning({"cuda:0": int(reserve), "cuda:1": 80 * GIB})

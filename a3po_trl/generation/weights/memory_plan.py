@@ -2,9 +2,10 @@
 
 From parameter counts and dtypes alone (on the meta device: a 7B model's plan costs nothing), per process: the
 generator's own copy, the vLLM engine, the staging buffers (where colocated vLLM stages is chosen here:
-:func:`plan_generator_memory_choosing_staging`), ``generate``'s KV cache and logits, and what training has not
-allocated yet. On CUDA a plan that cannot fit is refused (:class:`GeneratorMemoryError`); on CPU it is only logged.
-What it counts, and why: docs/ARCHITECTURE.md, "The generator's memory plan".
+:func:`plan_generator_memory_choosing_staging`), ``generate``'s KV cache and logits, what training has not
+allocated yet, and ``prox_logp_method="guarded"``'s kept copy of the trainable weights. On CUDA a plan that cannot
+fit is refused (:class:`GeneratorMemoryError`); on CPU it is only logged. What it counts, and why:
+docs/ARCHITECTURE.md, "The generator's memory plan".
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ otherwise in pinned host memory."""
 LOGITS_COPIES = 2
 """Vocabulary-wide float32 tensors per row ``generate`` holds at a decode step (the next token's logits, and the
 probabilities it samples from)."""
+
+
+KEPT_WEIGHTS = "guarded: kept copy of the trainable weights (previous version)"
+"""The plan's item for ``prox_logp_method="guarded"``'s kept weights: the trainable weights in the dtype training holds
+them in (with LoRA the adapters), divided by the number of processes under FSDP2 and ZeRO-3."""
 
 
 class GeneratorMemoryError(RuntimeError):
@@ -81,6 +87,14 @@ class GeneratorSetup:
     """Training runs under this half-precision autocast with float32 weights held whole on the training device:
     autocast keeps a copy of each float32 weight in it through the forward and the backward. None: no such copies
     (full precision, half-precision weights, or sharded weights cast layer by layer)."""
+    keeps_previous_weights: bool = False
+    """``prox_logp_method="guarded"``: the check keeps a copy of the trainable weights (the version before the trained
+    one, :mod:`a3po_trl.proximal.previous_weights`) on the training device, in the dtype training holds them in."""
+    parameter_shards: int = 1
+    """Over how many processes the parameters are sharded (ZeRO-3, FSDP2: the number of processes): each process
+    keeps its shard of that copy."""
+    training_device_total_bytes: int | None = None
+    """The training device's total memory (CUDA), for the reserve where it is not the generation device."""
 
 
 @dataclass(frozen=True)
@@ -131,20 +145,30 @@ class GeneratorMemoryPlan:
 
     def reserve_warning(self, free_bytes: dict[str, int]) -> str | None:
         """A warning when this plan leaves less than :data:`DEVICE_STAGING_RESERVE` of a GPU free for what it does
-        not count (``free_bytes`` as :meth:`check` takes them); None when it does, or nothing is known."""
-        total = self.setup.device_total_bytes
+        not count (``free_bytes`` as :meth:`check` takes them), on the generation device or on the training device
+        where the guarded method's kept weights go; None when it does, or nothing is known."""
+        setup = self.setup
         for device in self.devices:
             free = free_bytes.get(str(device))
-            if device.type != "cuda" or free is None or not total or not _same(device, self.setup.generation_device):
+            generation = _same(device, setup.generation_device)
+            kept = _item_bytes(self, KEPT_WEIGHTS) if _same(device, setup.training_device) else 0
+            total = setup.device_total_bytes if generation else setup.training_device_total_bytes
+            if device.type != "cuda" or free is None or not total or not (generation or kept):
                 continue
             left = free - self.bytes_on(device)
             if left < DEVICE_STAGING_RESERVE * total:
+                own = (
+                    f" Of the plan, {kept / GIB:.1f} GiB are prox_logp_method='guarded''s kept copy of the trainable "
+                    "weights (the version before the trained one, held for its checks)."
+                    if kept
+                    else ""
+                )
                 return (
                     f"The generator and training's pending state leave {left / GIB:.1f} GiB of {device} free, under "
                     f"the {DEVICE_STAGING_RESERVE:.0%} ({DEVICE_STAGING_RESERVE * total / GIB:.1f} GiB) kept for "
-                    "activations, prompts' KV cache and fragmentation: the first steps may run out of memory. With "
-                    "two threads allocating on two streams, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set "
-                    "before the process starts) keeps their pools from fragmenting the GPU. To lower the plan: "
+                    f"activations, prompts' KV cache and fragmentation: the first steps may run out of memory.{own} "
+                    "With two threads allocating on two streams, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+                    "(set before the process starts) keeps their pools from fragmenting the GPU. To lower the plan: "
                     f"{'; '.join(self._remedies())}."
                 )
         return None
@@ -278,6 +302,12 @@ class GeneratorMemoryPlan:
                 remedies.append("a plain LoRA config vLLM serves as an adapter (no private merge copy)")
         if setup.gradient_shards == 1 and setup.optimizer_shards == 1 and not setup.training_state_allocated:
             remedies.append("shard training state over the GPUs (DeepSpeed ZeRO-2/3 or FSDP2)")
+        if setup.keeps_previous_weights:
+            remedies.append(
+                "prox_logp_method='loglinear' (guarded keeps a copy of the trainable weights: "
+                f"{_item_bytes(self, KEPT_WEIGHTS) / GIB:.1f} GiB here), or a smaller copy: LoRA (the adapters only), "
+                "or parameters sharded over the GPUs (FSDP2 or ZeRO-3: each keeps its shard)"
+            )
         return remedies
 
 
@@ -346,6 +376,9 @@ def plan_generator_memory(module: nn.Module, setup: GeneratorSetup) -> Generator
         states = setup.optimizer_states_per_parameter * size(trainable, None) // max(setup.optimizer_shards, 1)
         plan.items.append(MemoryItem("training, not allocated yet: gradients", gradients, training))
         plan.items.append(MemoryItem("training, not allocated yet: optimizer states", states, training))
+    if setup.keeps_previous_weights:
+        kept = size(trainable, None) // max(setup.parameter_shards, 1)
+        plan.items.append(MemoryItem(KEPT_WEIGHTS, kept, training))
     if setup.autocast_copy_dtype is not None:
         full_precision = [p for p in params if p.dtype == torch.float32]
         what = f"training under {_dtype_name(setup.autocast_copy_dtype)} autocast: copies of its float32 weights"
