@@ -7,8 +7,9 @@
 The reward is :func:`benchmarks.common.math_reward.math_verify_reward` (parsing and checking math answers in pure
 Python, as ``math_verify``-style rewards do; its seconds per batch are measured first and recorded). On the tiny model
 (:mod:`a3po_trl.tasks.tiny_model`: 8 completions of up to 32 tokens per step, ``max_staleness=1``), three arms run
-interleaved ``--repeats`` times at the library's defaults (thread counts and ``OMP_WAIT_POLICY`` as users leave
-them):
+interleaved at seeds ``0 .. --repeats - 1`` (the model's initialization and the run's), at the library's defaults
+(thread counts and ``OMP_WAIT_POLICY`` as users leave them); the summary pairs the arms seed by seed (mean difference,
+95% t interval, Holm within each quantity):
 
 - ``grpo``: TRL's ``GRPOTrainer`` with the same reward (in its training loop);
 - ``thread``: ``AsyncA3POTrainer`` with ``reward_num_workers=0``: the reward runs in the generation thread;
@@ -53,7 +54,7 @@ def reward_seconds_per_batch(batches: int = 20) -> float:
     return statistics.median(samples)
 
 
-def _trainer(arm: str, output_dir: str, steps: int, workers: int):
+def _trainer(arm: str, output_dir: str, steps: int, workers: int, seed: int):
     from a3po_trl.tasks.tiny_model import make_byte_tokenizer, make_sum_prompts, make_tiny_llama
 
     tokenizer = make_byte_tokenizer()
@@ -66,11 +67,11 @@ def _trainer(arm: str, output_dir: str, steps: int, workers: int):
         max_steps=steps,
         learning_rate=1e-2,
         logging_steps=1,
-        seed=0,
+        seed=seed,
         **SHAPE,
     )
     kwargs = dict(
-        model=make_tiny_llama(tokenizer, seed=0),
+        model=make_tiny_llama(tokenizer, seed=seed),
         reward_funcs=[math_verify_reward],
         train_dataset=make_sum_prompts(64),
         processing_class=tokenizer,
@@ -86,16 +87,16 @@ def _trainer(arm: str, output_dir: str, steps: int, workers: int):
     return AsyncA3POTrainer(args=args, **kwargs)
 
 
-def run(arm: str, steps: int, workers: int, skip: int) -> dict:
-    """One training run of ``arm``: per-step wall, CPU, wait and stall seconds, their medians after ``skip`` steps,
-    and its provenance block."""
+def run(arm: str, steps: int, workers: int, skip: int, seed: int) -> dict:
+    """One training run of ``arm`` at ``seed`` (the model's initialization and the run's): per-step wall, CPU, wait
+    and stall seconds, their medians after ``skip`` steps, and its provenance block."""
     import torch
 
     from benchmarks.compare.trainers import step_timer_callback
 
     started, meter, process = time.time(), LoadMeter().start(), torch.get_num_threads()
     with tempfile.TemporaryDirectory(prefix="a3po-reward-workers-") as output_dir:
-        trainer = _trainer(arm, output_dir, steps, workers)
+        trainer = _trainer(arm, output_dir, steps, workers, seed)
         timer = step_timer_callback()
         timer.trainer = trainer
         trainer.add_callback(timer)
@@ -113,6 +114,7 @@ def run(arm: str, steps: int, workers: int, skip: int) -> dict:
     threads = thread_roles(None, None, process) if arm == "grpo" else trainer_threads(trainer, process)
     return {
         "arm": arm,
+        "seed": seed,
         "train_seconds": train_seconds,
         "step_seconds": wall,
         "training_cpu_seconds": cpu,
@@ -126,9 +128,17 @@ def run(arm: str, steps: int, workers: int, skip: int) -> dict:
     }
 
 
+#: The paired comparisons of the summary (one family: Holm within it), each ``(a, b)`` for ``a - b`` per seed.
+COMPARISONS = (("workers", "thread"), ("thread", "grpo"), ("workers", "grpo"))
+
+
 def summarize(runs: list[dict]) -> dict:
-    """Per arm the median over repeats of each run's median step time, median stall, stall share and train() time;
-    and the ratios of ``workers`` to ``thread`` and of each asynchronous arm to ``grpo``."""
+    """Per arm the median over seeds of each run's median step time, median stall, stall share and train() time; the
+    ratios of ``workers`` to ``thread`` and of each asynchronous arm to ``grpo``; and per pair of arms the mean paired
+    difference of the median step time and of the median stall over the seeds both ran, with its 95% t interval and
+    its p-value, Holm-adjusted within each of the two families (step time, stall)."""
+    from benchmarks.common.intervals import holm_within, mean_interval, p_value
+
     summary = {}
     for arm in ARMS:
         of_arm = [r for r in runs if r["arm"] == arm]
@@ -143,6 +153,27 @@ def summarize(runs: list[dict]) -> dict:
     for arm in ("thread", "workers"):
         if arm in step and "grpo" in step:
             summary[f"{arm}_over_grpo_step_time"] = step[arm] / step["grpo"]
+    by_seed = {arm: {r.get("seed", 0): r for r in runs if r["arm"] == arm} for arm in ARMS}
+    rows = []
+    for key in ("step_time_median", "stall_median"):
+        for a, b in COMPARISONS:
+            seeds = sorted(by_seed[a].keys() & by_seed[b].keys())
+            if not seeds:
+                continue
+            differences = [by_seed[a][seed][key] - by_seed[b][seed][key] for seed in seeds]
+            interval = mean_interval(differences)
+            rows.append(
+                {
+                    "quantity": key,
+                    "comparison": f"{a} - {b}",
+                    "seeds": seeds,
+                    "mean": interval.mean,
+                    "interval": [interval.low, interval.high],
+                    "p": p_value(differences) if len(differences) > 1 else None,
+                }
+            )
+    holm_within(rows, "quantity")
+    summary["paired"] = rows
     return summary
 
 
@@ -161,10 +192,11 @@ def measure(steps: int, repeats: int, workers: int, skip: int, rounds: int) -> d
         "steps": steps,
         "skipped_steps": skip,
         "repeats": repeats,
+        "seeds": list(range(repeats)),
         "reward_num_workers": workers,
         "load_average_before": list(os.getloadavg()),
     }
-    runs = [run(arm, steps, workers, skip) for _ in range(repeats) for arm in ARMS]
+    runs = [run(arm, steps, workers, skip, seed) for seed in range(repeats) for arm in ARMS]
     meta["load_average_after"] = list(os.getloadavg())
     meta["provenance"] = provenance(started, thread_roles(None, None, process), meter.stop()["foreign_cpu_frac"])
     return {"meta": meta, "runs": runs, "summary": summarize(runs)}
@@ -173,7 +205,7 @@ def measure(steps: int, repeats: int, workers: int, skip: int, rounds: int) -> d
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="seeds 0 .. repeats - 1, each running every arm")
     parser.add_argument("--workers", type=int, default=1, help="reward_num_workers of the workers arm")
     parser.add_argument("--skip", type=int, default=2, help="first steps of each run left out of its medians")
     parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="the reward's cost (rewritten forms)")
