@@ -99,10 +99,29 @@ def _after_partitions_change(parameters: list[torch.Tensor]) -> None:
         _zero3_optimizer(partitioned).invalidate_secondary_tensor()
 
 
+def _draws_random_numbers(model: torch.nn.Module) -> bool:
+    """Whether a forward of ``model`` draws random numbers: in training mode, with a dropout module of ``p > 0`` or an
+    attention module's ``attention_dropout > 0`` (TRL's ``disable_dropout=False``)."""
+    if not model.training:
+        return False
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            return True
+        attention_dropout = getattr(module, "attention_dropout", 0)  # transformers' attention modules
+        if isinstance(attention_dropout, (int, float)) and attention_dropout > 0:
+            return True
+    return False
+
+
 @contextmanager
-def _random_state_restored(device: torch.device):
+def _random_state_restored(device: torch.device, restore: bool = True):
     """Within the block ``device``'s random generator draws from its state now, which is restored when the block ends
-    (the default CPU generator for the CPU, the device's own otherwise)."""
+    (the default CPU generator for the CPU, the device's own otherwise); nothing is saved or restored unless
+    ``restore``. The generators are the process's: the generation thread's draws from the same one while the block
+    runs would be rewound too, so this is done only where the forward draws (dropout on)."""
+    if not restore:
+        yield
+        return
     device = torch.device(device)
     if device.type == "cpu":
         state = torch.get_rng_state()
@@ -210,7 +229,11 @@ class PreviousVersionWeights:
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         device = inputs["completion_ids"].device
-        with self.swapped_in(weights_of), torch.no_grad(), _random_state_restored(device):
+        with (
+            self.swapped_in(weights_of),
+            torch.no_grad(),
+            _random_state_restored(device, restore=_draws_random_numbers(model)),
+        ):
             return trainer._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, inputs["completion_ids"].size(1)
             )[0]

@@ -172,3 +172,30 @@ def test_under_fsdp2_the_modules_kept_gathered_train_with_the_trained_weights_af
     torch.testing.assert_close(logits(), version_1, rtol=0, atol=0)  # not the kept version's root
     with kept.swapped_in(model):  # and the kept copy is version 0's again
         torch.testing.assert_close(logits(), version_0, rtol=0, atol=0)
+
+
+def test_the_random_state_is_saved_and_restored_only_where_the_forward_draws(tokenizer):
+    """With dropout off (TRL's default) the check leaves the process's random generators alone: restoring them would
+    rewind the generation thread's draws made meanwhile. With dropout on, in training mode, it restores them."""
+    from a3po_trl.proximal.previous_weights import _draws_random_numbers, _random_state_restored
+
+    model = make_model(tokenizer)
+    model.train()
+    assert not _draws_random_numbers(model)  # the tiny model's dropouts are 0
+    model.model.layers[0].self_attn.attention_dropout = 0.1
+    assert _draws_random_numbers(model)
+    model.eval()
+    assert not _draws_random_numbers(model)
+    model.train()
+    model.model.layers[0].self_attn.attention_dropout = 0.0
+    model.model.layers[0].mlp.add_module("dropout", torch.nn.Dropout(0.2))
+    assert _draws_random_numbers(model)
+
+    before = torch.get_rng_state()
+    with _random_state_restored("cpu", restore=False):
+        torch.rand(3)  # another thread's draw, say
+    assert not torch.equal(torch.get_rng_state(), before)
+    before = torch.get_rng_state()
+    with _random_state_restored("cpu", restore=True):
+        torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), before)
