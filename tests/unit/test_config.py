@@ -93,6 +93,7 @@ BAD_CONFIGS = [
     ({"generation_num_threads": 0}, "generation_num_threads=0"),
     ({"generation_poll_interval": 0}, "generation_poll_interval=0"),
     ({"generation_stop_timeout": -1}, "generation_stop_timeout=-1"),
+    ({"generation_batch_timeout": 0}, "generation_batch_timeout=0 must be a positive number of seconds, or None"),
 ]
 
 

@@ -45,6 +45,21 @@ def test_without_a_process_group_nothing_is_registered(monkeypatch):
     assert distributed.destroy_process_group_if_initialized() is False
 
 
+def test_the_process_groups_timeout_is_read_from_the_group_and_defaults_without_one():
+    """What bounds the arrival gate by default (``generation_batch_timeout=None``): the timeout the process group was
+    made with, whoever set it (``ddp_timeout``, accelerate, the script); ``ddp_timeout`` itself without a group."""
+    import datetime
+
+    assert distributed.process_group_timeout(1800.0) == 1800.0
+    timeout = datetime.timedelta(seconds=17)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    dist.init_process_group("gloo", init_method=address, rank=0, world_size=1, timeout=timeout)
+    try:
+        assert distributed.process_group_timeout(1800.0) == 17.0
+    finally:
+        dist.destroy_process_group()
+
+
 def test_the_exit_barrier_waits_for_every_process_and_is_bounded_for_each():
     """Through the store, not a collective: two processes arriving pass it; one alone (the other failed, or is left in
     a collective) waits the timeout and no longer, whatever its rank."""
