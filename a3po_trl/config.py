@@ -107,6 +107,13 @@ class AsyncA3POConfig(GRPOConfig):
             CPU-heavy pure-Python reward then does not stall the training thread); reward models stay in the trainer.
             Each function must be defined at the top level of an importable module. `0`: they run in the generation
             thread. See docs/USAGE.md#rewards-in-worker-processes.
+        generation_batch_timeout (`float` or `None`, *optional*, defaults to `None`):
+            Seconds a process waits for its next generation batch, and then for every process to have taken theirs,
+            before the run fails on every process with an error naming the process that did not arrive and what its
+            generation thread was doing (a reward function, a tool or a vLLM server that does not return, or a
+            process that died). `None`: the process group's timeout (`ddp_timeout`, 1800 s by default). Raise it when
+            a process's generation is only slow (dynamic sampling drawing many batches). See
+            docs/RELIABILITY.md#a-process-that-stops-arriving.
 
         > Parameters that control the vLLM backend (`use_vllm=True`; GRPOConfig's `vllm_*` fields keep their meaning)
 
@@ -257,6 +264,13 @@ class AsyncA3POConfig(GRPOConfig):
             "help": "Worker processes that call the reward functions (not reward models); 0: the generation thread."
         },
     )
+    generation_batch_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "Seconds a process waits for its next generation batch and for every process to take theirs "
+            "before the run fails naming the late process; None: the process group's timeout (ddp_timeout)."
+        },
+    )
     weight_sync_timeout: float = field(
         default=300.0,
         metadata={"help": "Seconds loading one weight version into a vLLM server may take before the run fails."},
@@ -360,6 +374,11 @@ class AsyncA3POConfig(GRPOConfig):
         for name in ("generation_poll_interval", *timeouts):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be a positive number of seconds.")
+        if self.generation_batch_timeout is not None and not self.generation_batch_timeout > 0:
+            raise ValueError(
+                f"generation_batch_timeout={self.generation_batch_timeout} must be a positive number of seconds, or "
+                "None (the process group's timeout, ddp_timeout)."
+            )
         if self.tool_call_timeout is not None and not self.tool_call_timeout > 0:
             raise ValueError(
                 f"tool_call_timeout={self.tool_call_timeout} must be a positive number of seconds, or None (no limit)."

@@ -34,7 +34,7 @@ from .patches import align_position_ids_with_generation
 from .proximal import ProximalAnchor
 from .rollout.reward_workers import RewardWorkers, start_reward_workers
 from .rollout.rollout_func import generate_completions
-from .runtime.distributed import ArrivalGate, destroy_process_group_at_exit, take_together
+from .runtime.distributed import ArrivalGate, destroy_process_group_at_exit, process_group_timeout, take_together
 from .timeline import TRAINING_LANE, TimelineRecorder, TraceWriter, TrainingStepTimeline
 from .timeline.overlap import OverlapMonitor
 from .training_batch import make_training_batch
@@ -208,13 +208,23 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
             self.set_initial_training_values(self.args, self.get_train_dataloader())
         self._plan = plan_run(self)
         self.proximal_anchor.start_run(self._plan, self._steps_in_epoch)
-        self._batch_gate = ArrivalGate(self.accelerator, "a3po-take-batch", self.args.generation_poll_interval)
+        self._batch_gate = ArrivalGate.of_processes(
+            self.accelerator, "a3po-take-batch", self.args.generation_poll_interval, self.generation_batch_timeout
+        )
         self._restored = restore_run_state(self, self._plan)
         self._reward_workers = start_reward_workers(self)  # before the producer, whose rollouts are given them
         self._producer = build_batch_producer(self, self._plan, self._restored)
         self.last_batch_producer = self._producer
         model, version = self._unwrapped_model(), self.state.global_step
         self._producer.start(model, version, self._state_snapshot(), earlier_versions=self._restored.kept_versions)
+
+    @property
+    def generation_batch_timeout(self) -> float:
+        """Seconds a process waits for its next generation batch and for the others to take theirs: the config's
+        ``generation_batch_timeout``, or the process group's timeout (``ddp_timeout``)."""
+        if self.args.generation_batch_timeout is not None:
+            return self.args.generation_batch_timeout
+        return process_group_timeout(self.args.ddp_timeout)
 
     def _stop_producer(self) -> BaseException | None:
         """Stop and join the generation thread. Returns the thread's exception that no batch request re-raised (it

@@ -226,21 +226,55 @@ def launch_fsdp2(tmp_path, script, *args, fsdp_config=None, timeout=600, mixed_p
     return result, out
 
 
+#: The environment variable that marks every process of one launch (:func:`run_process_tree`), whatever session it
+#: moved to or parent it was left to.
+PROCESS_TREE_MARKER = "A3PO_TEST_PROCESS_TREE"
+
+
+def _marked(popen_kwargs: dict) -> tuple[dict, str]:
+    """``popen_kwargs`` with an environment that marks the launch's processes, and the mark."""
+    import uuid
+
+    mark = uuid.uuid4().hex
+    env = {**(popen_kwargs.get("env") or os.environ), PROCESS_TREE_MARKER: mark}
+    return {**popen_kwargs, "env": env}, mark
+
+
+def _kill_launch(process: subprocess.Popen, mark: str) -> None:
+    """Kill the launcher's session and every process that inherited the launch's mark: torchrun starts its workers
+    in sessions of their own, which a kill of the launcher's session misses (they went on running, holding the
+    launcher's pipes, so reading its output never returned)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    needle = f"{PROCESS_TREE_MARKER}={mark}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as environ:
+                marked = needle in environ.read().split(b"\0")
+            if marked:
+                os.kill(int(entry), signal.SIGKILL)
+        except (OSError, ProcessLookupError):  # gone meanwhile, or not ours to read
+            continue
+
+
 def run_process_tree(command, *, timeout, **popen_kwargs) -> subprocess.CompletedProcess:
     """``subprocess.run(command, capture_output=True, text=True, timeout=timeout)`` for a command that starts
     processes of its own (``accelerate launch`` and its workers): it runs in a session of its own, and when it
-    outlives ``timeout`` the whole session is killed before ``TimeoutExpired`` is raised. ``subprocess.run`` kills
-    the launcher only, which leaves its workers running (and holding their ports and cores) for the tests after."""
+    outlives ``timeout`` the whole session, and every process it started in a session of its own, is killed before
+    ``TimeoutExpired`` is raised. ``subprocess.run`` kills the launcher only, which leaves its workers running (and
+    holding their ports and cores) for the tests after."""
+    popen_kwargs, mark = _marked(popen_kwargs)
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **popen_kwargs
     )
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_launch(process, mark)
         stdout, stderr = process.communicate()
         raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr=stderr) from None
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
@@ -255,16 +289,18 @@ def run_process_trees(
     reading), after which their whole sessions are killed; past ``timeout`` every session still running is killed
     and ``TimeoutExpired`` raised, with every command's output so far. No session outlives the call, whatever
     ends it."""
-    processes, outputs, readers = [], [], []
+    processes, outputs, readers, marks = [], [], [], []
     try:
         for command in commands:
+            launch_kwargs, mark = _marked(popen_kwargs)
+            marks.append(mark)
             process = subprocess.Popen(
                 command,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
                 start_new_session=True,
-                **popen_kwargs,
+                **launch_kwargs,
             )
             processes.append(process)
             output = {}
@@ -284,11 +320,8 @@ def run_process_trees(
             time.sleep(0.1)
         timed_out = any(process.poll() is None for process in processes) and time.monotonic() > deadline
     finally:
-        for process in processes:  # also a launcher that ended: a worker it left behind would hold the pipes
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        for process, mark in zip(processes, marks):  # also a launcher that ended: a worker left would hold the pipes
+            _kill_launch(process, mark)
         for reader in readers:
             reader.join()
     if timed_out:

@@ -131,6 +131,9 @@ def build_batch_producer(trainer, plan: RunPlan, restored) -> BatchProducer:
         # every version a micro-step trains with: a checkpoint keeps those a longer continuation needs
         # (version_checkpoint.py)
         publish_through=plan.micro_steps[-1].version if plan.micro_steps else None,
+        timeout=trainer.generation_batch_timeout,
+        publish_activity=trainer._batch_gate.publish_activity if trainer._batch_gate is not None else None,
+        process_index=trainer.accelerator.process_index,
     )
     return producer
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..runtime.activity import doing
 from ..runtime.devices import explicit_device
 from ..runtime.timing import DeferredSeconds
 from ..timeline import record_in_batch_span
@@ -162,7 +163,8 @@ class GenerationBackend(ABC):
         steps (what a rollout reports as ``async/generation_time``, ``async/behavior_logps_time`` and
         ``async/in_flight_weight_load_time``), with ``"in_flight_weight_loads"`` counting those loads."""
         start = time.perf_counter()
-        generated = self.generate(prompt_ids, should_stop, seed)
+        with doing(f"generating {len(prompt_ids)} completions"):
+            generated = self.generate(prompt_ids, should_stop, seed)
         end = time.perf_counter()
         forward = generated.timings.get("behavior_logps", 0.0)
         in_flight = generated.timings.get("in_flight_weight_load", 0.0)

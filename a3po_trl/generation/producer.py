@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..runtime.activity import LATE_BATCH_HINT, Activity, doing, reporting_activity
 from ..runtime.devices import explicit_device, generation_stream
 from ..timeline import GENERATION_LANE, TRAINING_LANE, TimelineRecorder, batch_span, record_in_batch_span
 from ..types import GenerationStopped, ScoredBatch
@@ -25,6 +26,10 @@ from .backend import GenerationBackend
 from .queue import VersionedSampleQueue
 
 logger = logging.getLogger(__name__)
+
+
+class GenerationTimedOut(TimeoutError):
+    """The trainer waited longer than the producer's ``timeout`` for its next batch."""
 
 
 class BatchProducer:
@@ -63,6 +68,12 @@ class BatchProducer:
             ``refill(first, draw_more) -> ScoredBatch`` makes the batch from its first scored draw, calling
             ``draw_more()`` for each further one; each further draw loads the newest published weights (exactly the
             batch's version with ``exact_versions``) and takes the next prompt batch. ``None``: one draw per batch.
+        timeout: seconds :meth:`get` waits for a batch before it raises :class:`GenerationTimedOut`, saying what the
+            generation thread was doing; ``None``: no bound. Inline generation (not ``asynchronous``) is not bounded:
+            it runs in the caller.
+        publish_activity: ``publish_activity(what, since)`` is told each activity of the thread that produces
+            (:mod:`a3po_trl.runtime.activity`), for the other processes' errors when this one is late.
+        process_index: this process's index, for the error.
     """
 
     def __init__(
@@ -81,6 +92,9 @@ class BatchProducer:
         refill: Callable[[ScoredBatch, Callable[[], ScoredBatch]], ScoredBatch] | None = None,
         first_draw: int = 0,
         publish_through: int | None = None,
+        timeout: float | None = None,
+        publish_activity: Callable[[str, float], None] | None = None,
+        process_index: int = 0,
     ):
         self.backend = backend
         self.prompt_batches = prompt_batches
@@ -94,6 +108,10 @@ class BatchProducer:
         self.exact_versions = exact_versions
         self.timeline = timeline if timeline is not None else TimelineRecorder(enabled=False)
         self.refill = refill
+        self.timeout = timeout
+        self.process_index = process_index
+        self.activity = Activity(publish_activity)
+        """What the thread producing batches reported doing last (see :mod:`a3po_trl.runtime.activity`)."""
         backend.keep_versions = exact_versions
         if publish_through is None:
             publish_through = max((min_version(i) for i in range(num_batches)), default=-1)
@@ -154,7 +172,8 @@ class BatchProducer:
     def get(self) -> tuple[ScoredBatch, float]:
         """Next scored batch, in order, and the seconds the caller waited for it.
 
-        Re-raises, with its original traceback, any exception raised in the generation thread.
+        Re-raises, with its original traceback, any exception raised in the generation thread; raises
+        :class:`GenerationTimedOut` after waiting ``timeout`` seconds.
         """
         if self.consumed >= self.num_batches:
             raise RuntimeError(f"All {self.num_batches} generation batches of this run were already consumed.")
@@ -163,7 +182,8 @@ class BatchProducer:
             self._requested = self.consumed
             self._version_cond.notify_all()
         if not self.asynchronous:
-            batch = self._produce(self._next_inline)
+            with reporting_activity(self.activity.report):
+                batch = self._produce(self._next_inline)
             self._next_inline += 1
         else:
             while True:
@@ -174,6 +194,12 @@ class BatchProducer:
                 if self._thread is None or not self._thread.is_alive():
                     self._raise_if_failed()
                     raise RuntimeError("The generation thread stopped without producing the next batch.")
+                if self.timeout is not None and time.perf_counter() - start >= self.timeout:
+                    raise GenerationTimedOut(
+                        f"Process {self.process_index} had no generation batch {self.consumed} after "
+                        f"{self.timeout:g} s (generation_batch_timeout): its generation thread "
+                        f"{self.activity.describe()}; {LATE_BATCH_HINT}."
+                    )
         if batch.index != self.consumed:
             raise RuntimeError(f"Generation batches out of order: expected {self.consumed}, got {batch.index}.")
         self.consumed += 1
@@ -284,9 +310,11 @@ class BatchProducer:
         needed = self.min_version(index)
         with batch_span(self.timeline, GENERATION_LANE, batch=index) as span_args:
             wait_start = time.perf_counter()
-            waited, published = self._wait_for_version(needed, index)
+            with doing(f"waiting for the weights of version {needed} for batch {index}"):
+                waited, published = self._wait_for_version(needed, index)
             start = time.perf_counter()
-            self.backend.refresh(needed if self.exact_versions and published else None, self._should_stop)
+            with doing(f"loading weights for batch {index}"):
+                self.backend.refresh(needed if self.exact_versions and published else None, self._should_stop)
             loaded = time.perf_counter() - start
             version = self.backend.version
             # staleness of a generation span: versions published since the one generating (how far behind it is)
@@ -296,10 +324,11 @@ class BatchProducer:
             with self._draw_lock:
                 self._draw_starts[index] = self.first_draw + self.draws
             start = time.perf_counter()
-            batch = self._draw()
-            if self.refill is not None:
-                exact = needed if self.exact_versions and published else None
-                batch = self.refill(batch, lambda: self._draw_again(exact))
+            with doing(f"rolling out batch {index}"):
+                batch = self._draw()
+                if self.refill is not None:
+                    exact = needed if self.exact_versions and published else None
+                    batch = self.refill(batch, lambda: self._draw_again(exact))
             with self._draw_lock:
                 self._draw_starts[index + 1] = self.first_draw + self.draws
             batch.index = index
@@ -341,7 +370,11 @@ class BatchProducer:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
                 stream = generation_stream(device)  # high priority: decode kernels never queue behind training's
-            with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            with (
+                torch.inference_mode(),
+                torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(),
+                reporting_activity(self.activity.report),
+            ):
                 for index in range(self.num_batches):
                     if self.stop_event.is_set():
                         return
@@ -349,7 +382,8 @@ class BatchProducer:
                     if stream is not None:
                         stream.synchronize()
                     start = time.perf_counter()
-                    self.queue.put(batch, self._should_stop, self.poll_interval)
+                    with doing(f"waiting for room in the sample queue for batch {index}"):
+                        self.queue.put(batch, self._should_stop, self.poll_interval)
                     self.timeline.record(
                         GENERATION_LANE,
                         "wait for queue room",
@@ -357,6 +391,7 @@ class BatchProducer:
                         time.perf_counter(),
                         {"batch": index, "version": batch.version},
                     )
+                self.activity.report("done: every batch of the run was generated")
         except GenerationStopped:
             return
         except BaseException as error:  # noqa: BLE001 - re-raised in the main thread

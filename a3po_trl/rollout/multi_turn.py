@@ -31,6 +31,7 @@ from typing import Any
 from trl import GRPOTrainer
 
 from ..generation.backend import GenerationBackend
+from ..runtime.activity import doing
 from ..timeline import record_in_batch_span
 from .seeds import turn_seed
 from .tools import ToolCaller, tool_functions
@@ -208,7 +209,8 @@ def generate_with_tools(
         tools_start, calls_before = time.perf_counter(), caller.calls
         for i in active:
             before = len(completions[i])
-            results = caller.run(calls[i], *functions[i])
+            with doing(f"running the tool calls of turn {turn}"):
+                results = caller.run(calls[i], *functions[i])
             messages = []
             for name, result in results:
                 content = result if isinstance(result, list) else str(result)

@@ -17,6 +17,7 @@ from torch import nn
 from trl.data_utils import apply_chat_template, is_conversational
 from trl.trainer.utils import is_async_callable
 
+from ..runtime.activity import doing
 from .reward_workers import RewardWorkers
 
 logger = logging.getLogger(__name__)
@@ -62,14 +63,17 @@ def score_completions(
         if is_async_callable(func):
             pending_async.append((i, func, name))
             continue
-        with _named_errors(name):
+        with _named_errors(name), doing(f"in the reward function {name!r}"):
             if isinstance(func, nn.Module):
                 values = score_with_reward_model(func, processing_class, prompts, completions, chat_template_kwargs)
             else:
                 values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
         rewards[:, i] = torch.tensor(_as_reward_list(values, name, len(prompts)), dtype=torch.float32)
     if in_flight is not None:
-        for i, values in in_flight.results().items():
+        names = ", ".join(repr(reward_func_names[i]) for i in in_workers)
+        with doing(f"waiting for the reward workers' {names}"):
+            scored = in_flight.results()
+        for i, values in scored.items():
             rewards[:, i] = torch.tensor(
                 _as_reward_list(values, reward_func_names[i], len(prompts)), dtype=torch.float32
             )
@@ -82,10 +86,12 @@ def score_completions(
         async def call_all():
             return await asyncio.gather(*(call(func, name) for _, func, name in pending_async))
 
-        if async_loop is not None:
-            results = asyncio.run_coroutine_threadsafe(call_all(), async_loop).result()
-        else:
-            results = asyncio.run(call_all())
+        names = ", ".join(repr(name) for _, _, name in pending_async)
+        with doing(f"in the async reward functions {names}"):
+            if async_loop is not None:
+                results = asyncio.run_coroutine_threadsafe(call_all(), async_loop).result()
+            else:
+                results = asyncio.run(call_all())
         for (i, _, name), values in zip(pending_async, results):
             rewards[:, i] = torch.tensor(_as_reward_list(values, name, len(prompts)), dtype=torch.float32)
     return rewards

@@ -15,7 +15,9 @@ timeout (30 min) instead of exiting, which is what lets the launcher end the oth
 barrier on each gloo group (bounded too) finishes the work still queued on it, which gloo runs before a barrier: with
 the store's wait alone a two-process ZeRO-3 run with a reward model still aborted a rank at exit once in CI (an
 asynchronous collective nobody waited for, ZeRO-3's prefetching, is the candidate: its tensors would be released on
-gloo's threads during finalization; not reproduced here).
+gloo's threads during finalization; not reproduced here). When that barrier times out it stays queued, and tearing
+the group down would wait for it until the process group's timeout: the process then ends at once
+(:func:`exit_without_finalizing`), so the exit is bounded for real.
 
 :func:`raise_together` is the other half: a step every process takes together (taking a generation batch, saving or
 resuming a checkpoint) that fails on one process raises on all of them, so none is left in a collective.
@@ -24,19 +26,28 @@ resuming a checkpoint) that fails on one process raises on all of them, so none 
 for the others at an :class:`ArrivalGate` (through the store, no collective) before the collective that agrees on the
 outcome. A process whose generation thread must draw many batches (dynamic sampling) can keep the others waiting
 longer than the process group's timeout (``ddp_timeout``, 30 min by default); in a collective they would fail with a
-timeout that says nothing of why.
+timeout that says nothing of why. The gate's own wait is bounded (``generation_batch_timeout``, by default that same
+timeout): a process that does not arrive (its generation thread stuck in a reward function, or the process dead) fails
+every process with an error naming it and what it was doing, which each process publishes to the store
+(:mod:`a3po_trl.runtime.activity`).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
+import json
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
 
 import torch.distributed as dist
+
+from .activity import LATE_BATCH_HINT, describe_activity
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +66,7 @@ def destroy_process_group_if_initialized() -> bool:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return False
+    drained = True
     try:
         if "gloo" in str(dist.get_backend()).lower() and dist.get_world_size() > 1:
             # every rank finishes its last collective before any rank tears its connections down; bounded on every
@@ -64,15 +76,39 @@ def destroy_process_group_if_initialized() -> bool:
             # every rank is here: a gloo barrier on each group now meets the others, and finishes the work still
             # queued on the group (work nobody waited for, e.g. ZeRO-3's prefetching all-gathers) while the
             # interpreter is whole, rather than on gloo's threads during finalization
+            drained = False
             drain_pending_work(gloo_groups(), EXIT_BARRIER_TIMEOUT_SECONDS)
+            drained = True
     except Exception as error:
         logger.warning("barrier before destroy_process_group at exit failed: %r", error)
+    if not drained:
+        exit_without_finalizing(EXIT_BARRIER_TIMEOUT_SECONDS)
     try:
         dist.destroy_process_group()
     except Exception as error:  # never let shutdown hide the original outcome of the run
         logger.warning("destroy_process_group at exit failed: %r", error)
         return False
     return True
+
+
+def exit_without_finalizing(waited_seconds: float) -> None:
+    """End the process now, with status 1, after flushing its output and logs: what :func:`drain_pending_work` waited
+    for did not finish within ``waited_seconds``, and its barrier stays queued on gloo's threads, which
+    ``destroy_process_group`` (or the interpreter's own finalization) joins: that would hold the exit for the rest of
+    the process group's timeout (30 min by default; measured: 18 s of a 20-s timeout after a 2-s drain), and no abort
+    of the group releases them (``ProcessGroup.abort`` and ``_abort_process_group`` wait the same). The work left is
+    a collective some process never joined, so the run did not end cleanly: status 1. :mod:`atexit` handlers
+    registered before the trainer's are skipped."""
+    logger.error(
+        "The process group's work at exit did not finish within %g s; exiting now (status 1) rather than waiting "
+        "for the process group's timeout in its teardown.",
+        waited_seconds,
+    )
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(1)
 
 
 def exit_barrier(store, world_size: int, timeout_seconds: float) -> None:
@@ -136,66 +172,141 @@ def raise_together(accelerator, error: BaseException | None, what: str, peer_err
 #: Seconds a process waits at an :class:`ArrivalGate` before it first says so in the log (then after twice as long).
 GATE_REPORT_AFTER_SECONDS = 300.0
 
+#: The outcome of a gate every process arrived at (any other outcome is the error of the process that gave up).
+_PASSED = "passed"
+
+
+class ProcessDidNotArrive(PeerProcessFailed):
+    """Another process did not arrive at an :class:`ArrivalGate` within its timeout, so every process stops."""
+
 
 class ArrivalGate:
     """A point every process passes together, one call of :meth:`wait` after another, waited for through the process
     group's store: no collective, so a wait as long as another process needs (its generation drawing many batches)
-    never runs into the process group's timeout. A process killed meanwhile leaves the others waiting until the
-    launcher ends them on its exit, or, when it was process 0 (the store's host), until their next look fails.
+    does not run into the process group's timeout, and is bounded by the gate's own ``timeout``. When a process gives
+    up, the gate's outcome is its error, and every process raises it (:class:`ProcessDidNotArrive`), also one that
+    arrives later: the outcome is set once, by the first process to see every process there or to give up, so no
+    process passes a gate another gave up on (it would wait for it in the collective after the gate). The error names
+    each process that did not arrive and what it last published with :meth:`publish_activity` (its generation
+    thread's activity, :mod:`a3po_trl.runtime.activity`); a process killed meanwhile stays with its last one.
 
-    Built by every process together, in the main thread (:func:`private_store`: one broadcast); nothing with one
-    process. ``poll_interval`` bounds the pause between two looks at the store (the first look comes after 1 ms, each
-    next one after twice as long)."""
+    ``store``: the store every process reaches, under a prefix private to the gate (:meth:`of_processes` makes one);
+    None with one process (nothing to wait for). ``poll_interval`` bounds the pause between two looks at the store
+    (the first look comes after 1 ms, each next one after twice as long); ``timeout``: seconds a process waits at the
+    gate before it gives up, None for no bound."""
 
-    def __init__(self, accelerator, name: str, poll_interval: float):
-        self.world_size = accelerator.num_processes
-        self.process_index = accelerator.process_index
+    def __init__(self, store, process_index: int, world_size: int, poll_interval: float, timeout: float | None):
+        self.store = store if world_size > 1 else None
+        self.process_index = process_index
+        self.world_size = world_size
         self.poll_interval = poll_interval
-        self.store = private_store(name) if self.world_size > 1 else None
+        self.timeout = timeout
         self.passed = 0
+
+    @classmethod
+    def of_processes(cls, accelerator, name: str, poll_interval: float, timeout: float | None) -> ArrivalGate:
+        """The gate of every process of ``accelerator``, built by all of them together, in the main thread
+        (:func:`private_store`: one broadcast); with one process, a gate that never waits."""
+        world_size = accelerator.num_processes
+        store = private_store(name) if world_size > 1 else None
+        return cls(store, accelerator.process_index, world_size, poll_interval, timeout)
+
+    def publish_activity(self, what: str, since: float) -> None:
+        """Publish what this process is doing (since ``since``, ``time.time()``) for the others' error should it not
+        arrive. Any thread may call it."""
+        if self.store is not None:
+            self.store.set(f"doing/{self.process_index}", json.dumps([what, since]))
 
     def wait(self, what: str) -> None:
         """Return once every process called this as often as this one; ``what`` names the step in the log when the
-        wait is long."""
+        wait is long, and in the error. Raises :class:`ProcessDidNotArrive` when a process gave up waiting (this one,
+        after ``timeout`` seconds, or another)."""
         if self.store is None:
             return
         key = f"arrived/{self.passed}"
+        self.store.set(f"{key}/{self.process_index}", "1")  # who arrived: for the error naming who did not
         arrived, pause, start = self.store.add(key, 1), 0.001, time.monotonic()
         report_after = GATE_REPORT_AFTER_SECONDS
-        while arrived < self.world_size:
-            time.sleep(pause)
-            pause = min(2 * pause, self.poll_interval)
-            arrived = self.store.add(key, 0)
+        outcome = None
+        while outcome is None:
             waited = time.monotonic() - start
-            if arrived < self.world_size and waited >= report_after:
-                report_after *= 2
-                logger.warning(
-                    "%s: process %d has waited %.0f s for the other processes (%d of %d are there); one whose "
-                    "generation draws many batches (dynamic sampling) takes that long.",
-                    what,
-                    self.process_index,
-                    waited,
-                    arrived,
-                    self.world_size,
-                )
+            if arrived >= self.world_size:
+                outcome = self._decide(key, _PASSED)
+            elif self.timeout is not None and waited >= self.timeout:
+                outcome = self._decide(key, self._absence(key, what))
+            elif self.store.check([f"{key}/outcome"]):  # another process gave up
+                outcome = self.store.get(f"{key}/outcome").decode()
+            else:
+                if waited >= report_after:
+                    report_after *= 2
+                    logger.warning(
+                        "%s: process %d has waited %.0f s for the other processes (%d of %d are there); one whose "
+                        "generation draws many batches (dynamic sampling) takes that long.",
+                        what,
+                        self.process_index,
+                        waited,
+                        arrived,
+                        self.world_size,
+                    )
+                time.sleep(pause)
+                pause = min(2 * pause, self.poll_interval)
+                arrived = self.store.add(key, 0)
+        if outcome != _PASSED:
+            raise ProcessDidNotArrive(outcome)
         if self.passed > 0 and self.process_index == 0:
             # every process passed the previous gate before it arrived at this one, which all have now
-            self.store.delete_key(f"arrived/{self.passed - 1}")
+            previous = f"arrived/{self.passed - 1}"
+            for done in (previous, f"{previous}/outcome", *(f"{previous}/{i}" for i in range(self.world_size))):
+                self.store.delete_key(done)
         self.passed += 1
+
+    def _decide(self, key: str, outcome: str) -> str:
+        """Set the gate's outcome unless a process set it first; returns the outcome that holds."""
+        return self.store.compare_set(f"{key}/outcome", "", outcome).decode()
+
+    def _absence(self, key: str, what: str) -> str:
+        """The error of a gate this process gives up on: each process that did not arrive and what it was doing."""
+        missing = [i for i in range(self.world_size) if not self.store.check([f"{key}/{i}"])]
+        described = []
+        for index in missing:
+            doing = None, None
+            if self.store.check([f"doing/{index}"]):
+                doing = json.loads(self.store.get(f"doing/{index}"))
+            described.append(f"process {index} {describe_activity(*doing)}")
+        return (
+            f"{what}: process {', '.join(map(str, missing))} did not arrive within {self.timeout:g} s "
+            f"(generation_batch_timeout; None takes the process group's timeout, ddp_timeout) while process "
+            f"{self.process_index} waited: {'; '.join(described)}. A process is late when its generation is "
+            f"{LATE_BATCH_HINT}; or it died."
+        )
 
 
 def take_together(accelerator, gate: ArrivalGate, take: Callable[[], object], what: str):
     """``take()`` on every process, then its result; if it raised on any process, raises on every one
     (:func:`raise_together`). The processes meet at ``gate`` first, so that however long one of them takes, the others
-    wait for it outside the collective that agrees on the outcome."""
+    wait for it outside the collective that agrees on the outcome; a process that does not arrive within the gate's
+    timeout fails every process, the late one with its own error if it has one."""
     taken, error = None, None
     try:
         taken = take()
     except Exception as failure:  # noqa: BLE001 - raised on every process by raise_together
         error = failure
-    gate.wait(what)
+    try:
+        gate.wait(what)
+    except ProcessDidNotArrive:
+        if error is not None:
+            raise error from None  # this process is the late one: its own error says why
+        raise
     raise_together(accelerator, error, what)
     return taken
+
+
+def process_group_timeout(default: float) -> float:
+    """Seconds of the default process group's timeout (``ddp_timeout``, or accelerate's ``InitProcessGroupKwargs``),
+    read from its store, which the process group was made with; ``default`` without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return default
+    return dist.distributed_c10d._get_default_store().timeout.total_seconds()
 
 
 def private_store(prefix: str):

@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "distributed_tiny.py")
 
 
-def _launch(tmp_path, name, lora, port, *extra, check=True):
+def _launch(tmp_path, name, lora, port, *extra, check=True, timeout=900):
     config = tmp_path / f"{name}.yaml"
     config.write_text(accelerate_config(name, port))
     out = tmp_path / "out"
@@ -25,7 +25,7 @@ def _launch(tmp_path, name, lora, port, *extra, check=True):
     if lora:
         cmd.append("--lora")
     cmd.extend(extra)
-    result = run_process_tree(cmd, env=env, timeout=900, cwd=ROOT)
+    result = run_process_tree(cmd, env=env, timeout=timeout, cwd=ROOT)
     if check:
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
         assert "terminate called" not in result.stderr, result.stderr[-6000:]
@@ -142,10 +142,10 @@ def test_two_processes_fill_their_batches_by_dynamic_sampling_from_disjoint_prom
 
 
 def test_a_process_generating_past_the_process_group_timeout_keeps_the_other_waiting_without_failing(tmp_path):
-    """DDP with dynamic sampling, a process group timeout of 10 s (what ``ddp_timeout`` sets), and one of process 1's
-    generations 30 s longer: process 0 waits for process 1 to take its batch through the process group's store, not in
-    the collective that agrees on the batch (where it failed with gloo's "Timed out waiting 10000ms"), and both train
-    every batch."""
+    """DDP with dynamic sampling, a process group timeout of 10 s (what ``ddp_timeout`` sets),
+    ``generation_batch_timeout`` 200 s, and one of process 1's generations 30 s longer: process 0 waits for process 1
+    to take its batch through the process group's store, not in the collective that agrees on the batch (where it
+    failed with gloo's "Timed out waiting 10000ms"), and both train every batch."""
     reports = _launch(tmp_path, "ddp", False, free_port(), "--dynamic-sampling", "--slow-rank", "1")
     for r in reports:
         assert r["global_step"] == 4 and r["batches_consumed"] == 4 and r["micro_steps"] == 4
@@ -165,3 +165,18 @@ def test_a_generation_failing_in_one_process_ends_both_naming_its_error(tmp_path
     ), first["error"]
     for report in (first, second):
         assert "a3po-generation" not in report["threads_alive"]
+
+
+def test_a_process_whose_reward_function_never_returns_ends_every_process_naming_it(tmp_path):
+    """Process 1's reward function never returns from its second call, under a process group timeout of 10 s and
+    ``generation_batch_timeout`` left None (so 10 s bounds the wait): every process's ``train()`` raises an error
+    naming process 1 and where its generation thread is stuck, within the bound, and both exit (before: process 0
+    waited for process 1 at the arrival gate, and process 1 for its batch, for ever)."""
+    result, reports = _launch(tmp_path, "ddp", False, free_port(), "--stuck-rank", "1", check=False, timeout=400)
+    assert result.returncode != 0
+    stuck_since = reports[1]["stuck_since"][0]
+    for report in reports:
+        error = report["error"].lower()
+        assert "process 1" in error and ("after 10 s" in error or "within 10 s" in error), error
+        assert "rolling out batch 1: in the reward function 'stuck_reward'" in error, error
+        assert report["raised_at"] - stuck_since < 120  # 10 s and the time to notice: far from for ever

@@ -2,7 +2,7 @@
 
 accelerate launch --config_file CONFIG tests/scripts/distributed_tiny.py OUT_DIR [--lora] [--reward-model] [--tools]
     [--dynamic-sampling]
-    [--in-flight] [--fail-rank R] [--slow-rank R]
+    [--in-flight] [--fail-rank R] [--slow-rank R] [--stuck-rank R]
 
 ``--tools`` trains with an environment (a counter tool and an environment-owned reward) through a scripted
 ``generate`` that calls the tool on a third of the rows: the report then says which threads ran the tool calls and
@@ -15,7 +15,13 @@ lag 1): the report then holds each batch's token versions and the versions the s
 
 ``--slow-rank R`` starts the process group with a timeout of ``SLOW_TIMEOUT`` seconds (what ``ddp_timeout`` sets, but
 transformers passes it on only off the CPU) and makes process R's second ``generate`` call take ``SLOW_GENERATION``
-seconds more, three times that timeout: the other process waits that long for R to take its batch.
+seconds more, three times that timeout, with ``generation_batch_timeout`` above it: the other process waits that long
+for R to take its batch.
+
+``--stuck-rank R`` starts the process group with a timeout of ``SLOW_TIMEOUT`` seconds, and process R's reward function
+(``stuck_reward``) never returns from its second call: each process's report then holds only the error its
+``train()`` raised (with ``generation_batch_timeout`` left None: the process group's timeout bounds the wait), when it
+was raised and when process R's reward function got stuck (``time.time()``), and the process exits with 1.
 
 ``--fail-rank R``: process R's generation raises on its second batch, while the other process has its own second
 batch: each process's report then holds only the error its ``train()`` raised and the threads left, and the process
@@ -31,6 +37,7 @@ import json
 import os
 import sys
 import threading
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -74,6 +81,7 @@ def main():
     in_flight = "--in-flight" in sys.argv
     fail_rank = int(sys.argv[sys.argv.index("--fail-rank") + 1]) if "--fail-rank" in sys.argv else None
     slow_rank = int(sys.argv[sys.argv.index("--slow-rank") + 1]) if "--slow-rank" in sys.argv else None
+    stuck_rank = int(sys.argv[sys.argv.index("--stuck-rank") + 1]) if "--stuck-rank" in sys.argv else None
     tokenizer = make_tool_tokenizer() if with_tools else make_tokenizer()
     peft_config = None
     if lora:
@@ -96,10 +104,13 @@ def main():
             return result
 
         training_batch_module.group_advantages = recording_group_advantages
-    if slow_rank is not None:  # before the config, whose device setup would start the group with the default timeout
-        import torch.distributed as dist
+    if slow_rank is not None or stuck_rank is not None:  # before the config, whose device setup would start the
+        import torch.distributed as dist  # group with the default timeout
 
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=SLOW_TIMEOUT))
+    stuck_since = []
+    if stuck_rank is not None:
+        reward_funcs = [_stuck_on_second_call(stuck_since, stuck=dist.get_rank() == stuck_rank)]
     drawn = []
     if dynamic_sampling:  # a flat reward for every other prompt: the generator draws more to fill each batch
         reward_funcs = [_half_flat_reward(drawn)]
@@ -108,6 +119,9 @@ def main():
         scale_rewards="batch" if with_reward_model else "group",
         dynamic_sampling=dynamic_sampling,
         in_flight_weight_updates=in_flight,
+        # the slow process's generation outlasts the process group's timeout: the bound on the wait must be longer
+        generation_batch_timeout=20 * SLOW_TIMEOUT if slow_rank is not None else None,
+        generation_stop_timeout=1.0 if stuck_rank is not None else 30.0,
     )
     model, tool_threads, extra = make_model(tokenizer), [], {}
     if with_tools:
@@ -138,6 +152,8 @@ def main():
     trainer_module.make_training_batch = recording_make_training_batch
     if fail_rank is not None:
         return _fail_second_batch_in(trainer, fail_rank, out_dir)  # exits with 1
+    if stuck_rank is not None:
+        return _train_expecting_an_error(trainer, out_dir, stuck_since=stuck_since)  # exits with 1
     if slow_rank == trainer.accelerator.process_index:
         slow_second_generation(trainer, SLOW_GENERATION)
     trainer.train()
@@ -196,15 +212,36 @@ def _fail_second_batch_in(trainer, fail_rank, out_dir):
     rank = trainer.accelerator.process_index
     if rank == fail_rank:
         fail_second_generation(trainer, f"generation failure injected in process {rank}")
+    _train_expecting_an_error(trainer, out_dir)
+
+
+def _train_expecting_an_error(trainer, out_dir, **extra):
+    """Train; each process writes the error its ``train()`` raised (with ``extra``) and exits with 1."""
+    rank = trainer.accelerator.process_index
     try:
         trainer.train()
     except Exception as error:
         threads = sorted(t.name for t in threading.enumerate())
-        report = {"error": f"{type(error).__name__}: {error}", "threads_alive": threads}
+        report = {"error": f"{type(error).__name__}: {error}", "threads_alive": threads, "raised_at": time.time()}
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(report, f)
+            json.dump({**report, **extra}, f)
         sys.exit(1)
     raise AssertionError(f"train() ended without an error in process {rank}")
+
+
+def _stuck_on_second_call(stuck_since, stuck: bool):
+    """``length_reward`` (named alike on every process), but when ``stuck`` its second call never returns (a reward
+    function waiting on something that never comes); records when it got stuck."""
+    calls = []
+
+    def stuck_reward(completions, **kwargs):
+        calls.append(1)
+        if stuck and len(calls) == 2:
+            stuck_since.append(time.time())
+            threading.Event().wait()
+        return length_reward(completions)
+
+    return stuck_reward
 
 
 def _half_flat_reward(drawn):

@@ -96,6 +96,7 @@ BAD_CONFIGS = [
     ({"reward_num_workers": -1}, "reward_num_workers=-1"),
     ({"reward_num_workers": 1.5}, "reward_num_workers=1.5"),
     ({"reward_num_workers": True}, "reward_num_workers=True"),
+    ({"generation_batch_timeout": 0}, "generation_batch_timeout=0 must be a positive number of seconds, or None"),
 ]
 
 

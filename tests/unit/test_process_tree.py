@@ -47,6 +47,28 @@ def test_a_launch_past_its_bound_takes_its_workers_with_it(tmp_path):
         pytest.fail("the worker outlived its launcher's timeout")
 
 
+# A launcher whose worker runs in a session of its own and writes to the launcher's output, as torchrun's workers do:
+# a kill of the launcher's session misses it, and the launcher's pipes stay open while it runs.
+LAUNCHER_OF_A_SESSION_LEADER = """
+import subprocess, sys
+worker_code = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(120)"
+worker = subprocess.Popen([sys.executable, "-c", worker_code, sys.argv[1]], start_new_session=True)
+print("launched", flush=True)
+worker.wait()
+"""
+
+
+def test_a_launch_past_its_bound_takes_workers_in_sessions_of_their_own_with_it(tmp_path):
+    """Before, the worker went on running after the launcher's session was killed, and reading the launcher's output
+    waited for it (a stuck two-process test held the suite until its worker ended on its own)."""
+    pid_file = tmp_path / "worker.pid"
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_process_tree([sys.executable, "-c", LAUNCHER_OF_A_SESSION_LEADER, str(pid_file)], timeout=5)
+    assert time.monotonic() - started < 60  # the worker sleeps 120 s
+    assert _wait_until_dead(int(pid_file.read_text())), "the worker outlived its launcher's timeout"
+
+
 def test_a_launch_within_its_bound_returns_its_exit_status_and_output():
     result = run_process_tree(
         [sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"], timeout=60

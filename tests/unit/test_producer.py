@@ -179,6 +179,46 @@ def test_a_rollout_error_reaches_get_with_its_traceback_and_a_note():
     assert producer.stop()
 
 
+def test_a_batch_later_than_the_timeout_fails_get_saying_where_the_generation_thread_is_stuck():
+    """A reward function that never returns: ``get`` raises after ``timeout`` seconds, not never, with what the
+    generation thread was doing, which it also published (for the other processes' errors)."""
+    from a3po_trl.generation.producer import GenerationTimedOut
+    from a3po_trl.rollout.scoring import score_completions
+
+    released, published = threading.Event(), []
+
+    def stuck(prompts, completions, **kwargs):
+        released.wait()
+        return [0.0] * len(prompts)
+
+    def scoring_rollout(backend, rows, should_stop, info, index):
+        score_completions([stuck], ["judge"], [None], rows, ["p"], ["c"], [[1]])
+        return batch()
+
+    producer, _ = make_producer(
+        min_version=lambda i: 0, rollout=scoring_rollout, timeout=0.5, process_index=3,
+        publish_activity=lambda what, since: published.append(what),
+    )  # fmt: skip
+    producer.start(Policy(), 0)
+    start = time.monotonic()
+    try:
+        with pytest.raises(GenerationTimedOut) as raised:
+            producer.get()
+        assert 0.5 <= time.monotonic() - start < 5
+    finally:
+        released.set()
+        assert producer.stop(timeout=5)
+    message = str(raised.value)
+    assert message.startswith("Process 3 had no generation batch 0 after 0.5 s (generation_batch_timeout)")
+    assert "its generation thread was rolling out batch 0: in the reward function 'judge' for the last" in message
+    assert published[:3] == [
+        "waiting for the weights of version 0 for batch 0",
+        "loading weights for batch 0",
+        "rolling out batch 0",
+    ]
+    assert published[3] == "rolling out batch 0: in the reward function 'judge'"
+
+
 def test_stop_ends_a_generator_waiting_for_weights():
     producer, _ = make_producer(min_version=lambda i: 10)  # never published
     producer.start(Policy(), 0)

@@ -45,6 +45,21 @@ def test_without_a_process_group_nothing_is_registered(monkeypatch):
     assert distributed.destroy_process_group_if_initialized() is False
 
 
+def test_the_process_groups_timeout_is_read_from_the_group_and_defaults_without_one():
+    """What bounds the arrival gate by default (``generation_batch_timeout=None``): the timeout the process group was
+    made with, whoever set it (``ddp_timeout``, accelerate, the script); ``ddp_timeout`` itself without a group."""
+    import datetime
+
+    assert distributed.process_group_timeout(1800.0) == 1800.0
+    timeout = datetime.timedelta(seconds=17)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    dist.init_process_group("gloo", init_method=address, rank=0, world_size=1, timeout=timeout)
+    try:
+        assert distributed.process_group_timeout(1800.0) == 17.0
+    finally:
+        dist.destroy_process_group()
+
+
 def test_the_exit_barrier_waits_for_every_process_and_is_bounded_for_each():
     """Through the store, not a collective: two processes arriving pass it; one alone (the other failed, or is left in
     a collective) waits the timeout and no longer, whatever its rank."""
@@ -110,6 +125,55 @@ def test_the_default_group_is_drained_at_exit(gloo_group, monkeypatch):
     monkeypatch.setattr(distributed, "exit_barrier", lambda *args: None)
     assert distributed.destroy_process_group_if_initialized() is True
     assert drained == [[world]]
+
+
+# One of two processes in a gloo group whose timeout is 60 s, with the trainer's exit handler and a drain bound of 2 s.
+# Process 1 reaches the exit but its group never meets the drain's barrier (a wedged group, a collective nobody
+# joined): process 0's drain times out. Each prints when its exit starts (a handler registered after the trainer's
+# runs before it).
+EXIT_WITH_A_WEDGED_PEER = """
+import atexit, datetime, sys, time
+import torch.distributed as dist
+from a3po_trl.runtime import distributed
+
+rank, port = int(sys.argv[1]), sys.argv[2]
+timeout = datetime.timedelta(seconds=60)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timeout)
+distributed.EXIT_BARRIER_TIMEOUT_SECONDS = 2.0
+distributed.destroy_process_group_at_exit()
+if rank == 1:
+    distributed.drain_pending_work = lambda groups, seconds: time.sleep(300)
+atexit.register(lambda: print(f"exit starts at {time.time()}", flush=True))
+print("ready", flush=True)
+"""
+
+
+def test_the_exit_is_bounded_by_the_drain_not_by_the_process_groups_timeout():
+    """When the exit's drain times out, its barrier stays queued on gloo's threads, which destroy_process_group (and
+    the interpreter's finalization) waited for until the process group's timeout (58 s of 60 here; 30 min by
+    default): the process now ends with status 1 within about the drain's 2 s. The bound asserted, 30 s, is a
+    correctness bound, half the group's timeout, not a speed target."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    command = [sys.executable, "-c", EXIT_WITH_A_WEDGED_PEER]
+    processes = [
+        subprocess.Popen([*command, str(rank), str(port)], stdout=subprocess.PIPE, text=True) for rank in (0, 1)
+    ]
+    try:
+        first = processes[0]
+        status = first.wait(timeout=240)
+        ended = time.time()
+        output = first.stdout.read()
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+    assert "ready" in output, output
+    exit_started = float(output.split("exit starts at ")[1].split()[0])
+    assert ended - exit_started < 30.0, f"the exit took {ended - exit_started:.1f} s"
+    assert status == 1
 
 
 def two_gloo_groups():
