@@ -55,7 +55,8 @@ class AsyncA3POConfig(GRPOConfig):
         prox_error_budget (`float`, *optional*, defaults to `1.0`):
             With `prox_logp_method="guarded"`: the largest error of the interpolation a check accepts, relative to one
             optimizer step's drift on the same tokens; above it the batches train with the recomputed anchor until a
-            check is within it again. 1.0 accepts it while closer to its target than the trained weights.
+            check is within it again. 1.0 accepts it while closer to its target than the trained weights. A check
+            whose optimizer step moved none of its tokens (drift 0) decides nothing.
         behavior_weight_cap (`float` or `None`, *optional*, defaults to `5.0`):
             Cap on the behavior importance weight `pi_prox / pi_behav`, above 1; `None` disables it.
         behavior_weight_cap_mode (`str`, *optional*, defaults to `"token_mask"`):
