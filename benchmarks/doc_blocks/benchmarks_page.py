@@ -335,6 +335,41 @@ def launch_bound_defaults_tables(s: Summaries) -> str:
     return _paired_steps(s, "launch-bound/defaults", "loglinear-s1", ("trl", "trl-t1", "loglinear-s1-t2g2"))
 
 
+#: The reward workers' records (``benchmarks/reward_workers.py``), lightest reward first.
+REWARD_WORKERS_RECORDS = ("reward_workers-tiny.json", "reward_workers-tiny-rounds100.json")
+
+
+def reward_workers_tables(s: Summaries) -> str:
+    """Rewards in worker processes on the tiny model, one record per reward cost: each arm's medians over seeds, and
+    the arms paired seed by seed (mean difference, 95% t interval, Holm within step time and within stall)."""
+    arms = [
+        "| reward (s per batch) | arm | step, s (median) | training thread's stall, s | stall share | train(), s |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    pairs = [
+        "| reward (s per batch) | quantity | difference | seeds | mean [95% interval] | Holm p |",
+        "|---|---|---|---:|---|---:|",
+    ]
+    for name in REWARD_WORKERS_RECORDS:
+        record = s.json(name)
+        cost = f"{record['meta']['reward_seconds_per_batch']:.3f}"
+        summary = record["summary"]
+        for arm in ("grpo", "thread", "workers"):
+            a = summary[arm]
+            arms.append(
+                f"| {cost} | {arm} | {a['step_time_median']:.3f} | {a['stall_median']:.4f} | "
+                f"{a['stall_fraction']:.1%} | {a['train_seconds']:.1f} |"
+            )
+        for row in summary["paired"]:
+            quantity = "step" if row["quantity"] == "step_time_median" else "stall"
+            low, high = row["interval"]
+            pairs.append(
+                f"| {cost} | {quantity} | {row['comparison']} | {len(row['seeds'])} | {row['mean']:+.4f} "
+                f"[{low:+.4f}, {high:+.4f}] | {row['holm_p']:.3f} |"
+            )
+    return "\n".join(arms) + "\n\n" + "\n".join(pairs)
+
+
 def paired_steps(s: Summaries, report_name: str, config: str, baselines: tuple[str, ...]) -> list[dict]:
     """``config``'s mean step in a compare report against each baseline's, paired by seed, Holm within the family:
     per baseline its seeds, mean difference and 95% interval, Holm p, the per-seed ratios' range and both means."""
@@ -396,6 +431,7 @@ def ideal_line(s: Summaries, report_name: str, config: str) -> str:
 BLOCKS = {
     "launch-bound": launch_bound_tables,
     "launch-bound-defaults": launch_bound_defaults_tables,
+    "reward-workers": reward_workers_tables,
     "compiled-decode": compiled_decode_tables,
     "guard-map": guard_map_tables,
     "guard-smollm2": guard_smollm2_tables,
