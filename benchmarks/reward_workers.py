@@ -19,8 +19,8 @@ Each run records per optimizer step its wall time, the training thread's CPU tim
 (``async/trainer_wait_time``), and the training thread's **stall**: the wall time it neither ran nor waited for a
 batch (wall - CPU - wait), which is where a reward holding the interpreter lock in the generation thread shows. The
 first ``--skip`` steps of each run are left out (the workers' start). Every run and the record carry the provenance
-block (:mod:`benchmarks.common.provenance`), with the share of the machine other processes took: a busy machine's
-record says so.
+block (:mod:`benchmarks.common.provenance`), with the share of the machine other processes took (the reward
+workers, child processes ended with the run, count as the run's own): a busy machine's record says so.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def run(arm: str, steps: int, workers: int, skip: int, seed: int) -> dict:
 
     from benchmarks.compare.trainers import step_timer_callback
 
-    started, meter, process = time.time(), LoadMeter().start(), torch.get_num_threads()
+    started, meter, process = time.time(), LoadMeter(children=True).start(), torch.get_num_threads()
     with tempfile.TemporaryDirectory(prefix="a3po-reward-workers-") as output_dir:
         trainer = _trainer(arm, output_dir, steps, workers, seed)
         timer = step_timer_callback()
@@ -182,7 +182,7 @@ def measure(steps: int, repeats: int, workers: int, skip: int, rounds: int) -> d
     import torch
 
     os.environ[ROUNDS_ENV] = str(rounds)  # the workers inherit it
-    started, meter, process = time.time(), LoadMeter().start(), torch.get_num_threads()
+    started, meter, process = time.time(), LoadMeter(children=True).start(), torch.get_num_threads()
     meta = {
         "model": "tiny (a3po_trl.tasks.tiny_model: random 2-layer Llama, hidden 32, byte tokenizer)",
         "reward": "benchmarks.common.math_reward.math_verify_reward",
