@@ -51,7 +51,10 @@ class ProximalGuard:
     # ---- the schedule ------------------------------------------------------------------------------------------
     def batch_number(self, planned: PlannedBatch) -> int:
         """The generation batch's number counted from the first batch of the first epoch."""
-        return planned.epoch * self._batches_per_epoch + planned.index_in_epoch
+        return self._number(planned.epoch, planned.index_in_epoch)
+
+    def _number(self, epoch: int, index_in_epoch: int) -> int:
+        return epoch * self._batches_per_epoch + index_in_epoch
 
     def is_checked(self, planned: PlannedBatch) -> bool:
         return self._is_checked_number(self.batch_number(planned))
@@ -75,8 +78,7 @@ class ProximalGuard:
         }
         if plan.micro_steps:
             following = micro_step_after(plan.micro_steps[-1], steps_in_epoch)
-            number = following.epoch * self._batches_per_epoch + following.position // per_batch
-            if self._is_checked_number(number):
+            if self._is_checked_number(self._number(following.epoch, following.position // per_batch)):
                 checked.add(following.version)
         self._checked_versions = frozenset(checked)
 
