@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -68,8 +69,16 @@ def _settings(options) -> dict:
     training.update(max_steps=options.steps, save_strategy="no", use_cpu=not _cuda())
     if options.quick:
         training["max_completion_length"] = 16
-    threads = {k: defaults.get(k) for k in ("generation_num_threads", "training_num_threads")}
-    return {"training": training, "threads": threads, "system_prompt": DEMO_SYSTEM_PROMPT}
+    return {"training": training, "threads": _recorded_thread_split(), "system_prompt": DEMO_SYSTEM_PROMPT}
+
+
+def _recorded_thread_split() -> dict:
+    """The asynchronous runs' CPU thread counts: this process's cores split between the generation and the training
+    thread, as the demo set them when the study's records were taken (the demo now leaves them to ``train()``, which
+    keeps PyTorch's count in both threads for SmolLM2); kept here so the study reruns what its records ran."""
+    cores = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    generation = max(1, cores // 2)
+    return {"generation_num_threads": generation, "training_num_threads": max(1, cores - generation)}
 
 
 def _method_and_staleness(name: str) -> tuple[str, int]:

@@ -9,8 +9,8 @@ carries one worked example (a call, its result, the answer) and a cue, without w
 writes a well-formed call.
 
     python examples/train_calculator_agent.py --output_dir outputs/agent
-    # the same run with synchronous generation (both cores for the one thread that then works)
-    python examples/train_calculator_agent.py --async_generation false --training_num_threads 2
+    # the same run with synchronous generation
+    python examples/train_calculator_agent.py --async_generation false
     accelerate launch --multi_gpu --num_processes 2 examples/train_calculator_agent.py --use_cpu --max_steps 2 \
         --per_device_train_batch_size 4
 

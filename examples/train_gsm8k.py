@@ -224,7 +224,7 @@ def main(demo_args: DemoArguments, training_args: AsyncA3POConfig, model_args: M
             evaluations, trainer, training_args, model_args, demo_args, started, started_cpu, train_seconds
         )
         summary["plot"], summary["model_dir"], summary["metrics"] = str(plot_path), str(output_dir), str(metrics_path)
-        block = _provenance_block(run_start, training_args)
+        block = _provenance_block(run_start, trainer)
         if block is not None:  # where and when it ran, as every benchmark record says it
             summary["provenance"] = block
         if training_args.timeline:
@@ -250,18 +250,16 @@ def _run_start():
     return time.time(), LoadMeter().start(), torch.get_num_threads()
 
 
-def _provenance_block(run_start, training_args) -> dict | None:
+def _provenance_block(run_start, trainer) -> dict | None:
     """The provenance block of ``benchmarks/common/provenance.py`` (what the committed demo record carries): the
     start, commit, machine, other processes' share of it (the whole run) and the threads set; None where
     ``benchmarks`` is not importable (:func:`_run_start`)."""
     if run_start is None:
         return None
-    from benchmarks.common.provenance import provenance, thread_roles
+    from benchmarks.common.provenance import provenance, trainer_threads
 
     started, meter, process = run_start
-    threads = thread_roles(  # a thread without its own setting runs on PyTorch's (the process's)
-        training_args.training_num_threads or process, training_args.generation_num_threads or process, process
-    )
+    threads = trainer_threads(trainer, process)  # the counts train() set: the user's, or the library's choice
     return provenance(started, threads, meter.stop()["foreign_cpu_frac"])
 
 

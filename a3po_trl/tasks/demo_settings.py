@@ -4,7 +4,6 @@ the example so that the other examples and the time-to-accuracy benchmark train 
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -31,7 +30,9 @@ def demo_defaults(argv: list[str] | None = None) -> dict:
     demo).
 
     On CPU (no CUDA device, or ``--use_cpu``): bf16 off (GRPOConfig turns it on by default, which makes CPU runs
-    slow), and the cores of this process split between the generation thread and the training thread.
+    slow). The thread counts are left to ``train()``, which chooses them from the model (docs/USAGE.md, CPU threads):
+    SmolLM2-135M keeps PyTorch's count in both threads, measured faster than one thread each
+    (``benchmarks/results/launch-bound/defaults-smollm2.md``).
     """
     argv = sys.argv[1:] if argv is None else argv
     on_cpu = not torch.cuda.is_available() or _flag_is_set(argv, "use_cpu")
@@ -64,12 +65,5 @@ def demo_defaults(argv: list[str] | None = None) -> dict:
         seed=42,
     )
     if on_cpu:
-        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        cores = max(1, (os.cpu_count() or 1) // local_processes)
-        generation_threads = max(1, cores // 2)
-        defaults.update(
-            bf16=False,
-            generation_num_threads=generation_threads,
-            training_num_threads=max(1, cores - generation_threads),
-        )
+        defaults.update(bf16=False)
     return defaults

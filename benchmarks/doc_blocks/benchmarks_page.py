@@ -335,6 +335,13 @@ def launch_bound_defaults_tables(s: Summaries) -> str:
     return _paired_steps(s, "launch-bound/defaults", "loglinear-s1", ("trl", "trl-t1", "loglinear-s1-t2g2"))
 
 
+def smollm2_defaults_tables(s: Summaries) -> str:
+    """SmolLM2 at the library's defaults (OMP_WAIT_POLICY unset): the defaults' asynchronous step against GRPOTrainer
+    at its default and at one thread, and against one intra-op thread each (one family of three differences, Holm)."""
+    baselines = ("trl", "trl-t1", "loglinear-s1-t1g1")
+    return _paired_steps(s, "launch-bound/defaults-smollm2", "loglinear-s1", baselines, thread_table=1)
+
+
 #: The reward workers' records (``benchmarks/reward_workers.py``), lightest reward first.
 REWARD_WORKERS_RECORDS = ("reward_workers-tiny.json", "reward_workers-tiny-rounds100.json")
 
@@ -403,9 +410,12 @@ def paired_steps(s: Summaries, report_name: str, config: str, baselines: tuple[s
     return rows
 
 
-def _paired_steps(s: Summaries, report_name: str, config: str, baselines: tuple[str, ...]) -> str:
-    """A compare report's thread table, ``config``'s mean step against each baseline's paired by seed (Holm within
-    the family), and its distance to the ideal pipelined step."""
+def _paired_steps(
+    s: Summaries, report_name: str, config: str, baselines: tuple[str, ...], thread_table: int = 2
+) -> str:
+    """A compare report's thread table (the report's table number ``thread_table``: the third after the pipelining
+    table, the second in a report without ``pieces-*`` runs), ``config``'s mean step against each baseline's paired
+    by seed (Holm within the family), and its distance to the ideal pipelined step where the report measured it."""
     lines = [
         f"| {config} against | seeds | step difference, s [95% interval] | Holm p | step ratio, per seed |",
         "|---|---:|---|---:|---|",
@@ -415,11 +425,17 @@ def _paired_steps(s: Summaries, report_name: str, config: str, baselines: tuple[
             f"| {row['baseline']} | {len(row['seeds'])} | {row['mean']:+.4f} [{row['low']:+.4f}, "
             f"{row['high']:+.4f}] | {row['holm_p']:.3f} | {row['ratio_low']:.2f}-{row['ratio_high']:.2f} |"
         )
-    return "\n\n".join([s.table(f"{report_name}.md", 2), "\n".join(lines), ideal_line(s, report_name, config)])
+    ideal = ideal_line(s, report_name, config)
+    table = s.table(f"{report_name}.md", thread_table)
+    return "\n\n".join([table, "\n".join(lines), *([ideal] if ideal else [])])
 
 
-def ideal_line(s: Summaries, report_name: str, config: str) -> str:
-    pipeline = s.json(f"{report_name}.json")["pipeline"]["loglinear"]
+def ideal_line(s: Summaries, report_name: str, config: str) -> str | None:
+    """``config``'s step against the ideal pipelined step, or None where the report ran no ``pieces-*``
+    configuration (no ideal measured)."""
+    pipeline = (s.json(f"{report_name}.json").get("pipeline") or {}).get("loglinear") or {}
+    if pipeline.get("ideal_pipelined") is None:
+        return None
     pieces = pipeline.get("pieces_config", "pieces-loglinear")
     return (
         f"Ideal (max of generation and training alone, from `{pieces}`): {pipeline['ideal_pipelined']:.3f} s; "
@@ -431,6 +447,7 @@ def ideal_line(s: Summaries, report_name: str, config: str) -> str:
 BLOCKS = {
     "launch-bound": launch_bound_tables,
     "launch-bound-defaults": launch_bound_defaults_tables,
+    "smollm2-defaults": smollm2_defaults_tables,
     "reward-workers": reward_workers_tables,
     "compiled-decode": compiled_decode_tables,
     "guard-map": guard_map_tables,

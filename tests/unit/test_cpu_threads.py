@@ -57,3 +57,26 @@ def test_a_count_the_user_set_or_no_sharing_leaves_the_counts_alone(overrides, s
 def test_a_config_without_sizes_keeps_pytorchs_count_and_says_why():
     chosen = choose_cpu_threads(_args(), SimpleNamespace(), generation_shares_cpu=True, available=2)
     assert (chosen.training, chosen.generation) == (None, None) and "does not give its sizes" in chosen.reason
+
+
+def test_the_demo_sets_no_thread_counts_and_the_rule_keeps_pytorchs_count_for_its_model():
+    from a3po_trl.tasks.demo_settings import demo_defaults
+
+    defaults = demo_defaults(["--use_cpu"])
+    assert defaults["bf16"] is False
+    assert "generation_num_threads" not in defaults and "training_num_threads" not in defaults
+    # the demo's batch on SmolLM2 (its default model): the counts train() then chooses
+    shape = {k: defaults[k] for k in ("per_device_train_batch_size", "num_generations", "max_completion_length")}
+    chosen = choose_cpu_threads(_args(**shape), SMOLLM2, generation_shares_cpu=True, available=2)
+    assert (chosen.training, chosen.generation) == (None, None)
+
+
+def test_the_time_to_accuracy_study_reruns_the_thread_split_its_records_ran(monkeypatch):
+    from benchmarks import time_to_accuracy
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert time_to_accuracy._recorded_thread_split() == {"generation_num_threads": 1, "training_num_threads": 1}
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert time_to_accuracy._recorded_thread_split() == {"generation_num_threads": 2, "training_num_threads": 2}
