@@ -60,10 +60,39 @@ def launch_bound_row(s: Summaries) -> tuple[str, str, str]:
         f"{trl['config_step']:.2f} s against `GRPOTrainer`'s {trl['baseline_step']:.2f} s at its default threads "
         f"({trl['ratio_low']:.2f}-{trl['ratio_high']:.2f}x per seed, {signed(trl['mean'], 3)} "
         f"[{signed(trl['low'], 3)}, {signed(trl['high'], 3)}] s, Holm p {trl['holm_p']:.3f}: {verdict}) and "
-        f"{rows['trl-t1']['baseline_step']:.2f} s at one thread; {ideal:.2f}x the ideal pipelined step",
+        f"{rows['trl-t1']['baseline_step']:.2f} s at one thread; {ideal:.2f}x the ideal pipelined step. The same "
+        f"defaults on SmolLM2 (the rule keeps PyTorch's threads there): {_smollm2_defaults(s)}",
         f"a random tiny model on 2 CPU cores, {len(trl['seeds'])} seeds "
-        f"({_link('the defaults', 'the-launch-bound-proxy-at-the-librarys-defaults')})",
+        f"({_link('the defaults', 'the-launch-bound-proxy-at-the-librarys-defaults')}); SmolLM2-135M, "
+        f"{_smollm2_seeds(s)} seeds ({_link('SmolLM2', 'smollm2-at-the-librarys-defaults')})",
     )
+
+
+_SMOLLM2_DEFAULTS = ("launch-bound/defaults-smollm2", "loglinear-s1", ("trl", "trl-t1", "loglinear-s1-t1g1"))
+
+
+def _smollm2_defaults(s: Summaries) -> str:
+    from .benchmarks_page import paired_steps
+
+    rows = {row["baseline"]: row for row in paired_steps(s, *_SMOLLM2_DEFAULTS)}
+
+    def against(name: str, what: str) -> str:
+        row = rows[name]
+        verdict = "resolved" if row["holm_p"] <= 0.05 else "not resolved"
+        difference = f"{signed(row['mean'], 1)} s, Holm p {row['holm_p']:.3f}: {verdict}"
+        return f"{row['baseline_step']:.1f} s {what} ({difference})"
+
+    return (
+        f"{rows['trl']['config_step']:.1f} s per step against `GRPOTrainer`'s "
+        f"{against('trl', 'at its default threads')}, {against('trl-t1', 'at one thread')}, and "
+        f"{against('loglinear-s1-t1g1', 'pinned to one thread each')}"
+    )
+
+
+def _smollm2_seeds(s: Summaries) -> int:
+    from .benchmarks_page import paired_steps
+
+    return len(paired_steps(s, *_SMOLLM2_DEFAULTS)[0]["seeds"])
 
 
 def accuracy_row(s: Summaries) -> tuple[str, str, str]:
