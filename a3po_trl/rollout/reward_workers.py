@@ -226,9 +226,15 @@ class _Failure:
             note = f"(the reward function {name!r} could not be loaded in a reward worker process: {FIX})"
         else:
             note = f"(raised by the reward function {name!r} in a reward worker process)"
-        if not any(name in existing for existing in getattr(error, "__notes__", [])):
-            error.add_note(note)
+        note_function_name(error, name, note)
         return error
+
+
+def note_function_name(error: BaseException, name: str, note: str) -> None:
+    """Add ``note`` to ``error`` unless one of its notes already names the reward function ``name`` (an error raised
+    through several layers is named once)."""
+    if not any(name in existing for existing in getattr(error, "__notes__", [])):
+        error.add_note(note)
 
 
 class WorkerTraceback(Exception):

@@ -18,7 +18,7 @@ from trl.data_utils import apply_chat_template, is_conversational
 from trl.trainer.utils import is_async_callable
 
 from ..runtime.activity import doing
-from .reward_workers import RewardWorkers
+from .reward_workers import RewardWorkers, note_function_name
 
 logger = logging.getLogger(__name__)
 
@@ -107,9 +107,8 @@ class _named_errors:
         return self
 
     def __exit__(self, exc_type, error, traceback):
-        if error is not None and isinstance(error, Exception) and hasattr(error, "add_note"):
-            if not any(self.name in note for note in getattr(error, "__notes__", [])):
-                error.add_note(f"(raised by the reward function {self.name!r})")
+        if error is not None and isinstance(error, Exception):
+            note_function_name(error, self.name, f"(raised by the reward function {self.name!r})")
         return False
 
 
