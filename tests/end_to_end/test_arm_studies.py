@@ -18,7 +18,8 @@ def run_study(module, tmp_path, tokenizer, configs):
     tokenizer.save_pretrained(model_dir)
     out = tmp_path / "study"
     command = [sys.executable, "-m", module, "--quick", "--configs", configs, "--seeds", "1"]
-    command += ["--model", str(model_dir), "--out", str(out)]
+    # both runs in one launch: the interpreter and the libraries start once (a launch per run: the runner's tests)
+    command += ["--model", str(model_dir), "--out", str(out), "--cells-per-launch", "2"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(command, timeout=900, env=env, capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -27,12 +27,37 @@ def _launch(tmp_path, *flags, fsdp_config=None, succeed=True, mixed_precision="n
         return result.stderr
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     assert "terminate called" not in result.stderr, result.stderr[-6000:]
+    if "--full-and-lora" in flags:
+        return {run: [json.loads((out / run / f"rank{rank}.json").read_text()) for rank in range(2)] for run in RUNS}
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
+RUNS = ("full", "lora")
+
+
+@pytest.fixture(scope="module")
+def full_and_lora(tmp_path_factory):
+    """``reports(lora, *flags)``: the reports of the full-weight or the LoRA run of one launch that makes both
+    (fsdp2_tiny.py ``--full-and-lora``: two processes and their libraries start once for the two runs); a test's
+    ``[full]`` and ``[lora]`` cases read the same launch, made by whichever runs first (its failure fails both)."""
+    launches = {}
+
+    def reports(lora, *flags):
+        if flags not in launches:
+            try:
+                launches[flags] = _launch(tmp_path_factory.mktemp("fsdp2"), *flags, "--full-and-lora")
+            except Exception as error:  # noqa: BLE001 - kept, and raised by both of its tests
+                launches[flags] = error
+        if isinstance(launches[flags], Exception):
+            raise launches[flags]
+        return launches[flags]["lora" if lora else "full"]
+
+    return reports
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_generator_follows_the_sharded_trainer_version_by_version(tmp_path, lora):
-    reports = _launch(tmp_path, *(["--lora"] if lora else []))
+def test_generator_follows_the_sharded_trainer_version_by_version(full_and_lora, lora):
+    reports = full_and_lora(lora)
     assert {r["rank"] for r in reports} == {0, 1}
     for r in reports:
         # really FSDP2: the Trainer sharded the parameters (all but 1-2 small ones split over both processes)
@@ -119,13 +144,13 @@ def test_reference_reward_model_recompute_and_evaluation_run_sharded(tmp_path, l
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_reproducible_run_resumes_from_a_sharded_checkpoint_bit_for_bit(tmp_path, lora):
+def test_reproducible_run_resumes_from_a_sharded_checkpoint_bit_for_bit(full_and_lora, lora):
     """reproducible_generation: a run stopped after its checkpoint at step 2 and resumed from it (from other initial
     trainable weights) logs the same losses, rewards and versions after step 2 as the uninterrupted run, and ends with
     the same weights, bit for bit. Full (the cheapest sharded launch that resumes): also with ``loglinear``,
     ``recompute``, ``metrics`` and ``guarded``, a run continued with a larger ``max_steps`` then stopped and resumed
     (fsdp2_tiny.py's ``continue_and_resume``)."""
-    reports = _launch(tmp_path, "--resume", *(["--lora"] if lora else []))
+    reports = full_and_lora(lora, "--resume")
     for r in reports:
         assert "pytorch_model_fsdp_0" in r["checkpoint_files"] and "optimizer_0" in r["checkpoint_files"]
         assert "a3po_generator_versions.pt" in r["checkpoint_files"]
@@ -147,11 +172,11 @@ def test_reproducible_run_resumes_from_a_sharded_checkpoint_bit_for_bit(tmp_path
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_in_flight_weight_updates_load_versions_mid_batch_on_every_process(tmp_path, lora):
+def test_in_flight_weight_updates_load_versions_mid_batch_on_every_process(full_and_lora, lora):
     """in_flight_weight_updates under FSDP2: with the switch points fixed by the schedule, every process's batches 1 to
     3 switch from the version they started with to the next one after their third token (a version every process
     published, gathered from the shards), each token tagged with its own; the processes end in agreement."""
-    reports = _launch(tmp_path, "--in-flight", *(["--lora"] if lora else []))
+    reports = full_and_lora(lora, "--in-flight")
     for r in reports:
         assert r["global_step"] == r["generator_version"] == 4 and r["generator_matches_trainer"]
         assert r["token_versions"] == r["expected_token_versions"]

@@ -1,7 +1,11 @@
 """Train a tiny model under FSDP2 on two CPU processes and write one JSON report per rank (used by test_fsdp2.py).
 
 accelerate launch --config_file FSDP2_CONFIG tests/scripts/fsdp2_tiny.py OUT_DIR [--lora] [--resume] [--extras]
-    [--in-flight]
+    [--in-flight] [--full-and-lora]
+
+``--full-and-lora`` makes the launch's run twice, full weights then LoRA, one after the other in the same processes
+(they start once for both), the reports in ``OUT_DIR/full`` and ``OUT_DIR/lora``; not with ``--extras`` (run
+second, the LoRA run of process 1 could not load the base model it had just saved: "Unrecognized model").
 
 accelerate keeps FSDP off on a CPU-only machine; ``force_fsdp_on_cpu`` (tests/fsdp_cpu.py, docs/FSDP2.md) turns it on,
 so the Trainer shards the model with ``fully_shard`` over gloo as it would on GPUs.
@@ -351,10 +355,22 @@ def continue_and_resume(out_dir, tokenizer, lora, method):
 
 def train_in_flight(out_dir, tokenizer, lora):
     """In-flight weight updates under FSDP2: each process's generator loads a version mid-batch, at the token the
-    schedule fixes, from its staging buffer, which every process's (sharded, gathered) publication filled."""
+    schedule fixes, from its staging buffer, which every process's (sharded, gathered) publication filled. The
+    trainer module's ``make_training_batch``, which the schedule gates, is restored afterwards (a launch may train
+    another run after this one)."""
+    patched = []
+
+    def patch(owner, name, value):
+        patched.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
     trainer = make(out_dir, tokenizer, lora, in_flight_weight_updates=True)
-    lockstep = Lockstep(trainer, setattr, lag=1, num_batches=MAX_STEPS)
-    trainer.train()
+    lockstep = Lockstep(trainer, patch, lag=1, num_batches=MAX_STEPS)
+    try:
+        trainer.train()
+    finally:
+        for owner, name, value in reversed(patched):
+            setattr(owner, name, value)
     policy = trainer.last_batch_producer.backend
     policy.refresh()
     return trainer, {
@@ -370,16 +386,9 @@ def train_in_flight(out_dir, tokenizer, lora):
     }
 
 
-def main():
-    out_dir = sys.argv[1]
-    lora, resume, with_extras = "--lora" in sys.argv, "--resume" in sys.argv, "--extras" in sys.argv
-    global make
-    if "--bf16" in sys.argv:  # the launch config's mixed_precision: bf16 as well (launch_fsdp2(mixed_precision=...))
-        make = functools.partial(make, bf16=True)
-    if "--activation-checkpointing" in sys.argv:  # with fsdp_activation_checkpointing: true in the launch config
-        make = functools.partial(make, gradient_checkpointing=False)  # transformers refuses both at once
-    tokenizer = make_tokenizer()
-    if resume:
+def run_and_report(out_dir, tokenizer, lora):
+    """The launch's run (full weights or ``lora``), its report written to ``out_dir/rank<RANK>.json``."""
+    if "--resume" in sys.argv:
         report = resume_bit_for_bit(out_dir, tokenizer, lora)
         if not lora:  # one sharded launch holds the continued and resumed runs of the anchoring methods
             report["methods"] = {m: continue_and_resume(out_dir, tokenizer, lora, m) for m in CHAIN_METHODS}
@@ -388,11 +397,26 @@ def main():
         trainer, report = train_in_flight(os.path.join(out_dir, "run"), tokenizer, lora)
         rank = trainer.accelerator.process_index
     else:
-        trainer, report = train_and_check(os.path.join(out_dir, "run"), tokenizer, lora, with_extras)
+        trainer, report = train_and_check(os.path.join(out_dir, "run"), tokenizer, lora, "--extras" in sys.argv)
         rank = trainer.accelerator.process_index
     report["rank"] = rank
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
+
+
+def main():
+    out_dir = sys.argv[1]
+    global make
+    if "--bf16" in sys.argv:  # the launch config's mixed_precision: bf16 as well (launch_fsdp2(mixed_precision=...))
+        make = functools.partial(make, bf16=True)
+    if "--activation-checkpointing" in sys.argv:  # with fsdp_activation_checkpointing: true in the launch config
+        make = functools.partial(make, gradient_checkpointing=False)  # transformers refuses both at once
+    if "--full-and-lora" in sys.argv:  # both runs in this launch, one after the other, each in a folder of its own
+        for lora, folder in ((False, "full"), (True, "lora")):
+            os.makedirs(os.path.join(out_dir, folder), exist_ok=True)
+            run_and_report(os.path.join(out_dir, folder), make_tokenizer(), lora)
+    else:
+        run_and_report(out_dir, make_tokenizer(), "--lora" in sys.argv)
 
 
 if __name__ == "__main__":
