@@ -28,7 +28,8 @@ dtype (plus at most that alignment per weight). Pinned host memory is pinned by 
 CUDA (``cudaHostRegister``): torch's caching host allocator (``pin_memory=True``) rounds every allocation up to a power
 of two, which would make a 7B model's 15.2 GB version take 17.2 GB of page-locked memory, and one allocation per
 weight ~1.9x. The buffers live on the generation device (``generate``; vLLM colocated when the memory plan finds
-room, see :mod:`.memory_plan`) or in host memory, pinned when the engine is on a GPU. They are allocated at the first
+room, see :mod:`.memory_plan`) or in host memory, pinned when the engine is on a GPU, shared when generation runs in
+a process of its own (``generation_process``: the process maps each version's buffer). They are allocated at the first
 publication and reused; with ``keep_versions`` (``reproducible_generation``) one set per version a later batch may
 still need.
 """
