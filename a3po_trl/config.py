@@ -99,6 +99,12 @@ class AsyncA3POConfig(GRPOConfig):
             `train()` chooses from the model and logs it (docs/USAGE.md#cpu-threads).
         training_num_threads (`int` or `None`, *optional*, defaults to `None`):
             CPU only: intra-op threads of the training thread during `train()`; `None`: see `generation_num_threads`.
+        generation_process (`bool`, *optional*, defaults to `False`):
+            CPU only: run the `generate` backend in a spawned process of its own, off the trainer's interpreter (the
+            generation thread stays as the coordinator; the process samples what the thread would, bit for bit). It
+            holds a second copy of the model and starts in seconds. Refused with vLLM, continuous batching,
+            `in_flight_weight_updates`, multi-turn rollouts, sharded weights and on a GPU. See
+            docs/USAGE.md#generation-in-a-process-of-its-own.
         generation_poll_interval (`float`, *optional*, defaults to `0.1`):
             Seconds between checks of the generation thread's health while the trainer waits for samples.
         generation_stop_timeout (`float`, *optional*, defaults to `30.0`):
@@ -251,6 +257,13 @@ class AsyncA3POConfig(GRPOConfig):
         default=None,
         metadata={"help": "CPU intra-op threads of the training thread during train(); None: chosen (logged)."},
     )
+    generation_process: bool = field(
+        default=False,
+        metadata={
+            "help": "CPU only: run the generate backend in a process of its own (off the trainer's interpreter); the "
+            "generation thread coordinates it."
+        },
+    )
     generation_poll_interval: float = field(
         default=0.1,
         metadata={"help": "Seconds between health checks of the generation thread while waiting for samples."},
@@ -371,6 +384,7 @@ class AsyncA3POConfig(GRPOConfig):
                 f"reward_num_workers={self.reward_num_workers} must be 0 (rewards in the generation thread) or a "
                 "positive number of worker processes."
             )
+        self._check_generation_process()
         timeouts = ("generation_stop_timeout", "weight_sync_timeout", "vllm_request_timeout")
         for name in ("generation_poll_interval", *timeouts):
             if not getattr(self, name) > 0:
@@ -453,6 +467,22 @@ class AsyncA3POConfig(GRPOConfig):
         if callable(custom):
             values["dynamic_sampling_filter"] = f"{custom.__module__}.{custom.__qualname__}"
         return values
+
+    def _check_generation_process(self):
+        """Refuse ``generation_process`` with what it is not built for (the devices are checked by the trainer)."""
+        if not self.generation_process:
+            return
+        refused = [
+            name
+            for name in ("use_vllm", "use_transformers_continuous_batching", "in_flight_weight_updates")
+            if getattr(self, name, False)
+        ]
+        if refused:
+            raise ValueError(
+                f"generation_process=True runs the generate backend in a process of its own, which is not built for "
+                f"{', '.join(f'{name}=True' for name in refused)} yet. Set generation_process=False, or those to "
+                "False."
+            )
 
     def _check_dynamic_sampling(self):
         value = self.dynamic_sampling_max_gen_batches

@@ -30,6 +30,23 @@ def strip_instance_forwards(module: nn.Module) -> None:
         submodule.__dict__.pop("_original_forward", None)
 
 
+def strip_forward_hooks(module: nn.Module) -> None:
+    """Remove every forward hook and pre-hook from a copy of a module, and the mark that
+    :func:`align_position_ids_with_generation` installed its hook: hooks may be local functions (transformers'
+    ``enable_input_require_grads``, :func:`cast_lm_head_to_fp32`'s), which cannot be sent to another process. The
+    process that receives the copy re-applies the library's own patches."""
+    for submodule in module.modules():
+        for attribute in (
+            "_forward_hooks",
+            "_forward_hooks_with_kwargs",
+            "_forward_hooks_always_called",
+            "_forward_pre_hooks",
+            "_forward_pre_hooks_with_kwargs",
+        ):
+            getattr(submodule, attribute, {}).clear()
+        submodule.__dict__.pop(_ALIGNED_MARKER, None)
+
+
 def cast_lm_head_to_fp32(model: nn.Module) -> None:
     """Run ``model``'s LM head in float32 (weight, bias and activations), outside autocast, like TRL's
     ``cast_lm_head_to_fp32``; with tied embeddings the embedding output keeps the model's dtype."""

@@ -227,8 +227,9 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         return process_group_timeout(self.args.ddp_timeout)
 
     def _stop_producer(self) -> BaseException | None:
-        """Stop and join the generation thread. Returns the thread's exception that no batch request re-raised (it
-        failed after the last batch the trainer took), if any."""
+        """Stop and join the generation thread (and end the reward workers and a generation process). Returns the
+        thread's exception that no batch request re-raised (it failed after the last batch the trainer took), if
+        any."""
         workers, self._reward_workers = self._reward_workers, None
         try:
             if self._producer is None:
@@ -238,6 +239,9 @@ class AsyncA3POTrainer(DecoupledLossMixin, GRPOTrainer):
         finally:
             if workers is not None:  # after the thread: a batch it is scoring finishes, or fails when they end
                 workers.close(timeout=self.args.generation_stop_timeout)
+            if self.args.generation_process and self._backend is not None:  # its process ends with the run
+                backend, self._backend = self._backend, None
+                backend.close()
 
     def _get_output_dir(self, trial):
         # While a checkpoint is written, transformers' save writes into its staging folder (see checkpoints/saves.py).

@@ -206,6 +206,11 @@ def check_supported(args: GRPOConfig, kwargs: dict) -> None:
             "behavior_logps_source='generation' (the generator records both while generating), or leave the sampling "
             "settings at their neutral values."
         )
+    if getattr(args, "generation_process", False) and (kwargs.get("tools") or kwargs.get("environment_factory")):
+        raise NotImplementedError(
+            "generation_process=True is built and tested for single-turn rollouts only: multi-turn rollouts (tools, "
+            "environment_factory) are not supported with it yet. Set generation_process=False."
+        )
     if kwargs.get("rollout_func") is not None and (kwargs.get("tools") or kwargs.get("environment_factory")):
         raise NotImplementedError(
             "rollout_func together with tools or environment_factory is not supported by AsyncA3POTrainer: pass "

@@ -4,6 +4,7 @@ batching) on the generator's own copy, or vLLM, its memory planned first, and it
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 
 import torch
@@ -13,6 +14,7 @@ from ..generation.backend import GenerationBackend
 from ..generation.cpu_threads import CPUThreads, choose_cpu_threads
 from ..generation.hf import HFGenerateBackend, HFGenerationSettings
 from ..generation.hf.continuous_batching import ContinuousBatchingBackend, check_continuous_batching_sampling
+from ..generation.hf.process import ProcessGenerateBackend
 from ..generation.hf.sampling import processed_sampling, records_logps, samples_with_own_stream, sampling_deviations
 from ..generation.vllm.make_backend import engine_dtype
 from ..generation.vllm.sampling import VLLMSamplingSettings
@@ -74,8 +76,8 @@ def build_backend(trainer) -> GenerationBackend:
 
 
 def generation_engine(trainer) -> str:
-    """Which engine generates the run's completions, and in which thread, as the log names it: ``HF generate``,
-    ``transformers continuous batching``, ``vLLM colocate`` or ``vLLM server``."""
+    """Which engine generates the run's completions, and in which thread (or process), as the log names it: ``HF
+    generate``, ``transformers continuous batching``, ``vLLM colocate`` or ``vLLM server``."""
     if trainer._use_vllm_backend:
         engine = f"vLLM {trainer.args.vllm_mode}"
     elif trainer.args.use_transformers_continuous_batching:
@@ -83,6 +85,8 @@ def generation_engine(trainer) -> str:
     else:
         engine = "HF generate"
     thread = "the generation thread" if trainer.args.async_generation else "the main thread (async_generation=False)"
+    if trainer.args.generation_process and not trainer._use_vllm_backend:
+        return f"{engine}, in a process of its own (generation_process), coordinated by {thread}"
     updates = ", weights loaded mid-batch (in_flight_weight_updates)" if trainer.args.in_flight_weight_updates else ""
     return f"{engine}, in {thread}{updates}"
 
@@ -151,22 +155,27 @@ def generator_setup(trainer) -> GeneratorSetup:
     )
 
 
-def _build_hf_backend(trainer, dtype: torch.dtype | None, staging_device=None) -> HFGenerateBackend:
+def patch_generator_copy(module, temperature: float, cast_fp32: bool) -> None:
+    """Re-apply to the generator's copy what the trainer applied to the training model (the copy is stripped of the
+    instance patches, which close over the training module). A module-level function, so that
+    ``functools.partial(patch_generator_copy, ...)`` can be sent to a generation process."""
+    target = peft_base_model(module)
+    if cast_fp32:
+        cast_lm_head_to_fp32(target)
+    add_fused_lm_head(target, temperature=temperature, cast_lm_head_to_fp32=cast_fp32)
+    align_position_ids_with_generation(module)
+
+
+def _build_hf_backend(trainer, dtype: torch.dtype | None, staging_device=None) -> GenerationBackend:
     """The ``generate`` backend on the generator's own copy; with ``use_transformers_continuous_batching``, the same
-    copy generating with transformers' continuous batching (:class:`ContinuousBatchingBackend`). Its versions are
-    staged on ``staging_device`` (the memory plan's choice; None: the generation device)."""
-    temperature = trainer.temperature
-    cast_fp32 = trainer.args.cast_lm_head_to_fp32
-
-    def patch(module):
-        # Re-apply to the copy what the trainer applied to the training model (HFGenerateBackend strips the instance
-        # patches, which close over the training module).
-        target = peft_base_model(module)
-        if cast_fp32:
-            cast_lm_head_to_fp32(target)
-        add_fused_lm_head(target, temperature=temperature, cast_lm_head_to_fp32=cast_fp32)
-        align_position_ids_with_generation(module)
-
+    copy generating with transformers' continuous batching (:class:`ContinuousBatchingBackend`); with
+    ``generation_process``, in a process of its own (:class:`ProcessGenerateBackend`). Its versions are staged on
+    ``staging_device`` (the memory plan's choice; None: the generation device)."""
+    patch = functools.partial(
+        patch_generator_copy, temperature=trainer.temperature, cast_fp32=trainer.args.cast_lm_head_to_fp32
+    )
+    if trainer.args.generation_process:
+        return _build_process_backend(trainer, dtype, patch)
     device = trainer.args.generation_device or trainer.accelerator.device
     common = dict(
         device=device, patch_fn=patch, gather=weight_gather(trainer), dtype=dtype, staging_device=staging_device
@@ -182,6 +191,52 @@ def _build_hf_backend(trainer, dtype: torch.dtype | None, staging_device=None) -
             **common,
         )
     return HFGenerateBackend(trainer._unwrapped_model(), settings, **common)
+
+
+def _build_process_backend(trainer, dtype: torch.dtype | None, patch) -> ProcessGenerateBackend:
+    """The ``generate`` backend in a process of its own (``generation_process``), refused where it is not built:
+    a GPU, sharded weights. Its start-up seconds are said once at INFO."""
+    check_generation_process_devices(trainer)
+    if shards_parameters(trainer):
+        raise ValueError(
+            "generation_process=True is not built for sharded training weights (DeepSpeed ZeRO-3, FSDP2): the "
+            "process would need the gathered model. Set generation_process=False."
+        )
+    backend = ProcessGenerateBackend(
+        trainer._unwrapped_model(),
+        hf_generation_settings(trainer),
+        patch_fn=patch,
+        gather=weight_gather(trainer),
+        dtype=dtype,
+        num_threads=trainer.cpu_threads.generation,
+        poll_interval=trainer.args.generation_poll_interval,
+        stop_timeout=trainer.args.generation_stop_timeout,
+    )
+    logger.info(
+        "Process %d: generation runs in a process of its own (generation_process, pid %d, %s intra-op threads): "
+        "started in %.1f s",
+        trainer.accelerator.process_index,
+        backend.pid,
+        trainer.cpu_threads.generation or "PyTorch's count of",
+        backend.start_seconds,
+    )
+    return backend
+
+
+def check_generation_process_devices(trainer) -> None:
+    """Refuse ``generation_process`` where generation or training runs on a GPU: the versions would cross through
+    CUDA IPC handles, which are not built."""
+    devices = {
+        explicit_device(trainer.args.generation_device or trainer.accelerator.device),
+        trainer.accelerator.device,
+    }
+    if any(torch.device(device).type != "cpu" for device in devices):
+        raise ValueError(
+            f"generation_process=True runs on the CPU only (devices here: {sorted(map(str, devices))}): on a GPU the "
+            "weight versions would cross to the process through CUDA IPC handles, which is not built yet. Set "
+            "generation_process=False (on a GPU the generation thread's kernels do not wait for the interpreter: "
+            "see docs/GPU.md)."
+        )
 
 
 def hf_generation_settings(trainer) -> HFGenerationSettings:

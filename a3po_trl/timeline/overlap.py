@@ -84,7 +84,9 @@ def overlap_message(steps: tuple[int, int], step_seconds: float, trainer_cpu: fl
 class OverlapMonitor(TrainerCallback):
     """Applies the rule to consecutive windows of :data:`WINDOW_STEPS` steps of a ``train()`` call with a
     generation thread, from the second generation batch on, and logs :func:`overlap_message` at the first window it
-    holds in (once per call, on the main process). ``producer``: returns the trainer's batch producer now (or None);
+    holds in (once per call, on the main process); silent with ``generation_process`` (the generation thread only
+    coordinates there, and the process's CPU is on no clock it reads). ``producer``: returns the trainer's batch
+    producer now (or None);
     ``is_main_process``: whether this process logs."""
 
     def __init__(self, producer: Callable[[], object], is_main_process: Callable[[], bool]):
@@ -103,6 +105,8 @@ class OverlapMonitor(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         producer = self._producer()
         if self._done or producer is None or not getattr(producer, "asynchronous", False):
+            return
+        if getattr(args, "generation_process", False):  # generation runs in a process whose CPU no clock here reads
             return
         if self._generator_clock is None:
             if producer.consumed < 2:  # the first batch was generated while the trainer waited: not a turn

@@ -10,7 +10,8 @@ thread settings never leak from one configuration into the next:
 
 - ``trl``: TRL's synchronous ``GRPOTrainer`` (the baseline);
 - ``recompute-s{d}`` / ``loglinear-s{d}``: ``AsyncA3POTrainer`` with ``prox_logp_method`` recompute or loglinear and
-  ``max_staleness=d`` for every ``d`` of ``--staleness`` (default 0, 1, 2, 4);
+  ``max_staleness=d`` for every ``d`` of ``--staleness`` (default 0, 1, 2, 4); with ``--generation-process``, also
+  ``{method}-s{d}-proc``: the same with generation in a process of its own (``generation_process=True``);
 - ``pieces-{method}``: ``AsyncA3POTrainer`` with ``async_generation=False`` (generation in the main thread, on the
   training thread's thread count): per step, generation alone (``async/trainer_wait_time``: rollout, behavior
   log-probs, rewards) and training alone (step time minus that), so the ideal pipelined step time
@@ -104,6 +105,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="",
         help="comma list of extra thread settings of the pieces and asynchronous configurations: t<training>[g<gen>] "
         "(t2g2: both at 2 intra-op threads, as configuration loglinear-s1-t2g2; t1: pieces-loglinear-t1)",
+    )
+    parser.add_argument(
+        "--generation-process",
+        action="store_true",
+        help="also run each asynchronous configuration with generation in a process of its own "
+        "(generation_process=True), as <config>-proc (with its thread variants: loglinear-s1-proc-t1g1)",
     )
     parser.add_argument("--bf16", choices=["auto", "on", "off"], default="auto", help="auto: off on CPU")
     parser.add_argument(

@@ -73,15 +73,18 @@ def _selected(name: str, patterns: str) -> bool:
     return False
 
 
-def config_names(staleness, single_thread_trl: bool = False, thread_variants=()) -> list[str]:
+def config_names(staleness, single_thread_trl: bool = False, thread_variants=(), process: bool = False) -> list[str]:
     """The configurations; each thread variant (``t1g1``: training 1, generation 1; ``t1``) adds a copy of every
-    pieces and asynchronous configuration at those counts (``pieces-loglinear-t1``, ``loglinear-s1-t1g1``)."""
+    pieces and asynchronous configuration at those counts (``pieces-loglinear-t1``, ``loglinear-s1-t1g1``);
+    ``process`` adds each asynchronous configuration with generation in a process of its own (``generation_process``:
+    ``loglinear-s1-proc``, ``loglinear-s1-proc-t1g1``)."""
     names = ["microbench", "trl"] + (["trl-t1"] if single_thread_trl else [])
     for method in ("loglinear", "recompute"):
         names += [f"pieces-{method}"] + [f"pieces-{method}-t{_counts(v)[0]}" for v in thread_variants]
     for d in staleness:  # the two methods side by side at each bound: little drift between the pair compared
         for method in METHODS:
-            names += [f"{method}-s{d}"] + [f"{method}-s{d}-{v}" for v in thread_variants if _counts(v)[1]]
+            for base in [f"{method}-s{d}"] + ([f"{method}-s{d}-proc"] if process else []):
+                names += [base] + [f"{base}-{v}" for v in thread_variants if _counts(v)[1]]
     return list(dict.fromkeys(names))  # t1 and t1g1 both give pieces-loglinear-t1
 
 
@@ -99,7 +102,7 @@ def _counts(variant: str) -> tuple[int, int | None]:
 def split_variant(name: str) -> tuple[str, tuple[int, int | None] | None]:
     """A configuration name and its thread variant, if it has one (``loglinear-s1-t2g2`` -> ``loglinear-s1``)."""
     head, _, tail = name.rpartition("-")
-    if (head.startswith("pieces-") or re.search(r"-s\d+$", head)) and THREAD_VARIANT.match(tail):
+    if (head.startswith("pieces-") or re.search(r"-s\d+(?:-proc)?$", head)) and THREAD_VARIANT.match(tail):
         return head, _counts(tail)
     return name, None
 
@@ -108,7 +111,8 @@ def build_plan(options) -> list[dict]:
     """The runs, in order: every selected configuration on the first seed, then the repeated ones on the others."""
     plan = []
     variants = [v.strip() for v in options.thread_variants.split(",") if v.strip()]
-    names = config_names(options.staleness, _single_thread_trl(options), variants)
+    process = getattr(options, "generation_process", False)
+    names = config_names(options.staleness, _single_thread_trl(options), variants, process)
     names = [n for n in names if _selected(n, options.configs)]
     for index in range(options.seeds):
         seed = options.seed + index
@@ -151,7 +155,10 @@ def config_for(name: str, seed: int, options) -> dict:
             },
         )
     else:
-        method, staleness = name.rsplit("-s", 1)
+        process = name.endswith("-proc")
+        method, staleness = name.removesuffix("-proc").rsplit("-s", 1)
+        if process:  # generate in a process of its own, coordinated by the generation thread
+            config["generation_process"] = True
         config.update(
             kind="a3po",
             method=method,

@@ -91,6 +91,7 @@ def _training_args(config, common, output_dir):
         generation_device=generation_device,
         generation_num_threads=threads.get("generation"),
         training_num_threads=threads.get("training"),
+        generation_process=config.get("generation_process", False),
     )
 
 

@@ -93,7 +93,7 @@ def run_training_config(config, common) -> dict:
         if cuda:
             for index in range(torch.cuda.device_count()):
                 torch.cuda.reset_peak_memory_stats(index)
-        meter = LoadMeter().start()
+        meter = LoadMeter(children=True).start()  # a generation process (ended with train()) is the run's own CPU
         start = time.perf_counter()
         trainer.train()
         wall = time.perf_counter() - start
@@ -116,6 +116,11 @@ def run_training_config(config, common) -> dict:
             **load,
             "loadavg_end": load_average(),
         }
+        if config.get("generation_process"):
+            import resource
+
+            # the generation process's peak resident memory (the largest of this worker's ended child processes)
+            result["generation_process_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
         if producer is not None:
             result["engine"] = internals.producer_counts(producer)  # the records' key
         if cuda:

@@ -342,6 +342,51 @@ def smollm2_defaults_tables(s: Summaries) -> str:
     return _paired_steps(s, "launch-bound/defaults-smollm2", "loglinear-s1", baselines, thread_table=1)
 
 
+#: Generation in a process of its own against the thread, each pair at the same thread settings (launch-bound proxy).
+GENERATION_PROCESS_PAIRS = (("loglinear-s1-proc-t1g1", "loglinear-s1-t1g1"), ("loglinear-s1-proc", "loglinear-s1"))
+
+
+def generation_process_tables(s: Summaries) -> str:
+    """Generation in a process of its own on the launch-bound proxy: per configuration the step and each thread's CPU
+    time; the process's mean step against the thread's at the same settings, paired by seed (one family of two
+    differences, Holm); and the share of the thread's distance to the ideal pipelined step the process closed (the
+    rule to keep it: at least half, at the thread's best settings)."""
+    from benchmarks.common.intervals import holm
+
+    report_name = "launch-bound/generation-process"
+    report = s.json(f"{report_name}.json")
+    rows = []
+    for process, thread in GENERATION_PROCESS_PAIRS:
+        rows += [{**row, "config": process} for row in paired_steps(s, report_name, process, (thread,))]
+    for row, adjusted in zip(rows, holm([row["p"] for row in rows])):
+        row["holm_p"] = adjusted
+    lines = [
+        "| process | against the thread | seeds | step difference, s [95% interval] | Holm p | step ratio, per seed |",
+        "|---|---|---:|---|---:|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['config']} | {row['baseline']} | {len(row['seeds'])} | {row['mean']:+.4f} [{row['low']:+.4f}, "
+            f"{row['high']:+.4f}] | {row['holm_p']:.3f} | {row['ratio_low']:.2f}-{row['ratio_high']:.2f} |"
+        )
+    pipeline = report["pipeline"]["loglinear"]
+    ideal = pipeline["ideal_pipelined"]
+    closed = [
+        "| process | thread | thread step, s | process step, s | ideal, s | distance closed |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for process, thread in GENERATION_PROCESS_PAIRS:
+        thread_step = report["configs"][thread]["step_time_median"]
+        process_step = report["configs"][process]["step_time_median"]
+        share = (thread_step - process_step) / (thread_step - ideal)
+        closed.append(f"| {process} | {thread} | {thread_step:.3f} | {process_step:.3f} | {ideal:.3f} | {share:.0%} |")
+    note = (
+        f"Steps are medians over seeds of each run's median step; the ideal is the longer of generation and training "
+        f"alone, from `{pipeline['pieces_config']}`. Distance closed: (thread - process) / (thread - ideal)."
+    )
+    return "\n\n".join([s.table(f"{report_name}.md", 2), "\n".join(lines), "\n".join(closed), note])
+
+
 #: The reward workers' records (``benchmarks/reward_workers.py``), lightest reward first.
 REWARD_WORKERS_RECORDS = ("reward_workers-tiny.json", "reward_workers-tiny-rounds100.json")
 
@@ -448,6 +493,7 @@ BLOCKS = {
     "launch-bound": launch_bound_tables,
     "launch-bound-defaults": launch_bound_defaults_tables,
     "smollm2-defaults": smollm2_defaults_tables,
+    "generation-process": generation_process_tables,
     "reward-workers": reward_workers_tables,
     "compiled-decode": compiled_decode_tables,
     "guard-map": guard_map_tables,

@@ -47,6 +47,23 @@ def test_extra_seeds_only_for_the_selected_configurations():
     assert options.batch_size == 8 and options.num_generations == 8 and options.max_completion_length == 32
 
 
+def test_generation_process_adds_each_asynchronous_configuration_in_a_process_of_its_own():
+    options = compare.parse_args(
+        ["--configs", "loglinear-s1", "--staleness", "1", "--thread-variants", "t1g1", "--generation-process"]
+    )
+    plan = {c["name"]: c for c in build_plan(options) if c["seed"] == 0}
+    assert set(plan) == {"loglinear-s1", "loglinear-s1-t1g1", "loglinear-s1-proc", "loglinear-s1-proc-t1g1"}
+    assert {name for name, c in plan.items() if c.get("generation_process")} == {
+        "loglinear-s1-proc",
+        "loglinear-s1-proc-t1g1",
+    }
+    process = plan["loglinear-s1-proc-t1g1"]
+    assert process["method"] == "loglinear" and process["max_staleness"] == 1
+    assert process["threads"]["training"] == 1 and process["threads"]["generation"] == 1
+    without = compare.parse_args(["--configs", "loglinear-s1", "--staleness", "1"])
+    assert [c["name"] for c in build_plan(without) if c["seed"] == 0] == ["loglinear-s1"]
+
+
 def run_compare(tmp_path, *args, name="bench", timeout=900):
     out = tmp_path / "results"
     command = [sys.executable, "-m", "benchmarks.compare", "--quiet-wait", "0", "--out", str(out), "--name", name]

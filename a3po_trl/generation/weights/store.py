@@ -28,7 +28,8 @@ dtype (plus at most that alignment per weight). Pinned host memory is pinned by 
 CUDA (``cudaHostRegister``): torch's caching host allocator (``pin_memory=True``) rounds every allocation up to a power
 of two, which would make a 7B model's 15.2 GB version take 17.2 GB of page-locked memory, and one allocation per
 weight ~1.9x. The buffers live on the generation device (``generate``; vLLM colocated when the memory plan finds
-room, see :mod:`.memory_plan`) or in host memory, pinned when the engine is on a GPU. They are allocated at the first
+room, see :mod:`.memory_plan`) or in host memory, pinned when the engine is on a GPU, shared when generation runs in
+a process of its own (``generation_process``: the process maps each version's buffer). They are allocated at the first
 publication and reused; with ``keep_versions`` (``reproducible_generation``) one set per version a later batch may
 still need.
 """
@@ -85,6 +86,9 @@ class StagingLayout:
     device: torch.device
     pin_memory: bool = False
     """Page-locked host memory (``device`` is the CPU): copies to and from a GPU run asynchronously and fast."""
+    shared_memory: bool = False
+    """Host memory another process maps (``device`` is the CPU): a generation process of its own
+    (``generation_process``) reads each version where the main thread wrote it, without a copy through a pipe."""
 
     @classmethod
     def of(cls, module: nn.Module, names: Iterable[str], device, dtype: torch.dtype | None = None, pin_memory=False):
@@ -121,12 +125,18 @@ class StagingLayout:
         """Where the buffers live, in words: ``"device cuda:0"``, ``"pinned host memory"`` or ``"host memory"``."""
         if self.device.type != "cpu":
             return f"device {self.device}"
+        if self.shared_memory:
+            return "shared host memory"
         return "pinned host memory" if self.pin_memory else "host memory"
 
     def allocate(self) -> dict[str, torch.Tensor]:
         """One version's buffers: one allocation of :attr:`bytes_per_version` bytes (:func:`allocate_flat`), one
         view per weight in its shape and dtype."""
-        flat = allocate_flat(self.bytes_per_version, self.device, self.pin_memory)
+        return self.views(allocate_flat(self.bytes_per_version, self.device, self.pin_memory, self.shared_memory))
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One view per weight, in its shape and dtype, of a version's flat ``uint8`` buffer ``flat`` (of
+        :meth:`allocate`, or the same buffer mapped by another process)."""
         views = {}
         for name, offset in self.offsets.items():
             dtype, shape = self.dtypes[name], self.shapes[name]
@@ -134,11 +144,13 @@ class StagingLayout:
         return views
 
 
-def allocate_flat(nbytes: int, device: torch.device, pin_memory: bool = False) -> torch.Tensor:
+def allocate_flat(nbytes: int, device: torch.device, pin_memory: bool = False, shared: bool = False) -> torch.Tensor:
     """A flat ``uint8`` buffer of exactly ``nbytes`` on ``device``; host memory pinned (``pin_memory``) by registering
     it with CUDA (unregistered when the buffer is freed), not through torch's caching host allocator, which rounds
-    each allocation up to a power of two."""
+    each allocation up to a power of two; or (``shared``) in shared memory, which another process can map."""
     flat = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+    if shared:
+        flat.share_memory_()
     if pin_memory and nbytes > 0:
         _host_register(flat.data_ptr(), flat.numel())
         finalizer = weakref.finalize(flat, _host_unregister, flat.untyped_storage(), flat.data_ptr())
