@@ -75,7 +75,8 @@ def overlap_message(steps: tuple[int, int], step_seconds: float, trainer_cpu: fl
         "other. The two threads take turns on Python's interpreter lock (a small model, or a GPU launching small "
         "kernels), and the overlap costs more than it hides: GRPOTrainer's synchronous step is likely faster here. "
         "Generate with vLLM (use_vllm=True, vllm_mode='colocate' or 'server': its engine keeps Python off the "
-        "per-token path), or set async_generation=False. See docs/GPU.md, 'Which generation path on a GPU'. On a GPU, "
+        "per-token path), or set async_generation=False; on a CPU, generation_process=True generates in a process of "
+        "its own, off this interpreter (docs/USAGE.md). See docs/GPU.md, 'Which generation path on a GPU'. On a GPU, "
         "first rule out a device-bound step: a thread waiting for the GPU spins in CUDA's synchronizations and counts "
         "CPU time too (scripts/gpu_check.py's 'bound' profiles the device)."
     )

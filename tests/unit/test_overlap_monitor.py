@@ -62,7 +62,8 @@ def test_the_monitor_warns_once_from_the_second_batch_over_a_window(monkeypatch,
     assert window == (3, 10) and step == pytest.approx(4.5) and generator == pytest.approx(1.5)
     warnings = [r.getMessage() for r in caplog.records if "not hiding generation" in r.getMessage()]
     assert len(warnings) == 1  # once per train() call
-    for words in ("over steps 3-10 a step took 4.50 s", "2.20 s", "1.50 s", "use_vllm=True", "async_generation=False"):
+    for words in ("over steps 3-10 a step took 4.50 s", "2.20 s", "1.50 s", "use_vllm=True", "async_generation=False",
+                  "generation_process=True"):  # fmt: skip
         assert words in warnings[0], words
     monitor.on_train_begin(None, None, None)  # a new train() call may warn again
     assert monitor.warned is None
