@@ -10,12 +10,20 @@ from a3po_trl import builders
 from tests.helpers import make_trainer
 
 
-def _trainer(use_vllm=False, vllm_mode="colocate", continuous_batching=False, async_generation=True, in_flight=False):
+def _trainer(
+    use_vllm=False,
+    vllm_mode="colocate",
+    continuous_batching=False,
+    async_generation=True,
+    in_flight=False,
+    process=False,
+):
     args = SimpleNamespace(
         vllm_mode=vllm_mode,
         use_transformers_continuous_batching=continuous_batching,
         async_generation=async_generation,
         in_flight_weight_updates=in_flight,
+        generation_process=process,
     )
     return SimpleNamespace(_use_vllm_backend=use_vllm, args=args)
 
@@ -29,6 +37,8 @@ def _trainer(use_vllm=False, vllm_mode="colocate", continuous_batching=False, as
         ({"use_vllm": True, "vllm_mode": "server", "in_flight": True}, "vLLM server, in the generation thread, "
          "weights loaded mid-batch (in_flight_weight_updates)"),
         ({"async_generation": False}, "HF generate, in the main thread (async_generation=False)"),
+        ({"process": True}, "HF generate, in a process of its own (generation_process), coordinated by the generation "
+         "thread"),
     ],
 )  # fmt: skip
 def test_the_engine_is_named_from_the_settings(settings, named):
