@@ -388,7 +388,11 @@ def generation_process_tables(s: Summaries) -> str:
 
 
 #: The reward workers' records (``benchmarks/reward_workers.py``), lightest reward first.
-REWARD_WORKERS_RECORDS = ("reward_workers-tiny.json", "reward_workers-tiny-rounds100.json")
+REWARD_WORKERS_RECORDS = (
+    "reward_workers-tiny.json",
+    "reward_workers-tiny-rounds100.json",
+    "reward_workers-tiny-rounds400.json",
+)
 
 
 def reward_workers_tables(s: Summaries) -> str:
