@@ -25,13 +25,14 @@ import multiprocessing
 import pickle
 import sys
 import time
-import traceback
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from torch import nn
 from trl.trainer.utils import is_async_callable
+
+from ..runtime.child_errors import CapturedError
 
 logger = logging.getLogger(__name__)
 
@@ -205,23 +206,16 @@ class _Recorder:
         self.calls.append((self.name, args))
 
 
-class _Failure:
-    """A reward function's exception as the worker saw it: the exception if it can be pickled, and its traceback."""
+class _Failure(CapturedError):
+    """A reward function's exception as the worker saw it (:class:`~a3po_trl.runtime.child_errors.CapturedError`)."""
 
     def __init__(self, error: BaseException, index: int, loading: bool):
+        super().__init__(error)
         self.index, self.loading = index, loading
-        self.traceback = "".join(traceback.format_exception(error))
-        self.summary = f"{type(error).__name__}: {error}"
-        try:
-            self.error = pickle.loads(pickle.dumps(error))
-        except Exception:
-            self.error = None
 
     def rebuilt(self, name: str) -> BaseException:
-        """The function's exception (a ``RuntimeError`` carrying its text if it cannot be pickled), with ``name`` in a
-        note and the worker's traceback as its cause."""
-        error = self.error if self.error is not None else RuntimeError(self.summary)
-        error.__cause__ = WorkerTraceback(self.traceback)
+        """The function's exception with ``name`` in a note and the worker's traceback as its cause."""
+        error = self.raised_here(WorkerTraceback)
         if self.loading:
             note = f"(the reward function {name!r} could not be loaded in a reward worker process: {FIX})"
         else:

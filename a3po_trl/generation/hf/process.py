@@ -31,7 +31,6 @@ import logging
 import pickle
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +39,7 @@ import torch.multiprocessing
 from torch import nn
 
 from ...patches import strip_forward_hooks
+from ...runtime.child_errors import CapturedError
 from ...types import GeneratedCompletions, GenerationStopped
 from ..backend import GenerationBackend
 from ..weights import StagingLayout, VersionedWeights, as_parameter_gather
@@ -234,22 +234,12 @@ def flat_buffer(weights: dict[str, torch.Tensor]) -> torch.Tensor:
 # ---- in the child process ----------------------------------------------------------------------------------------
 
 
-class ChildFailure:
-    """An exception as the child saw it: the exception if it can be pickled, and its traceback."""
-
-    def __init__(self, error: BaseException):
-        self.traceback = "".join(traceback.format_exception(error))
-        self.summary = f"{type(error).__name__}: {error}"
-        try:
-            self.error = pickle.loads(pickle.dumps(error))
-        except Exception:
-            self.error = None
+class ChildFailure(CapturedError):
+    """An exception as the child saw it (:class:`~a3po_trl.runtime.child_errors.CapturedError`)."""
 
     def rebuilt(self, what: str) -> BaseException:
-        """The child's exception (a ``RuntimeError`` carrying its text if it cannot be pickled), noted with what the
-        child was doing, the child's traceback as its cause."""
-        error = self.error if self.error is not None else RuntimeError(self.summary)
-        error.__cause__ = GenerationProcessTraceback(self.traceback)
+        """The child's exception, noted with what the child was doing, the child's traceback as its cause."""
+        error = self.raised_here(GenerationProcessTraceback)
         error.add_note(f"(raised in the generation process while {what}; generation_process=True)")
         return error
 
