@@ -95,8 +95,9 @@ class AsyncA3POConfig(GRPOConfig):
         generation_batch_chunk_size (`int` or `None`, *optional*, defaults to `None`):
             Sequences per `generate` call and per behavior log-prob forward; `None`: the whole local batch at once.
         generation_num_threads (`int` or `None`, *optional*, defaults to `None`):
-            CPU only: intra-op threads of the generation thread (`torch.set_num_threads`). With both counts `None`,
-            `train()` chooses from the model and logs it (docs/USAGE.md#cpu-threads).
+            CPU only: intra-op threads of the generation thread, or of the generation process with
+            `generation_process` (`torch.set_num_threads`). With both counts `None`, `train()` chooses from the model
+            and logs it (docs/USAGE.md#cpu-threads).
         training_num_threads (`int` or `None`, *optional*, defaults to `None`):
             CPU only: intra-op threads of the training thread during `train()`; `None`: see `generation_num_threads`.
         generation_process (`bool`, *optional*, defaults to `False`):
@@ -251,7 +252,9 @@ class AsyncA3POConfig(GRPOConfig):
     )
     generation_num_threads: int | None = field(
         default=None,
-        metadata={"help": "CPU intra-op threads of the generation thread; None: chosen from the model (logged)."},
+        metadata={
+            "help": "CPU intra-op threads of the generation thread (or process); None: chosen from the model (logged)."
+        },
     )
     training_num_threads: int | None = field(
         default=None,

@@ -2,11 +2,16 @@
 
     python -m benchmarks.reward_workers [--steps 24] [--repeats 5] [--workers 1]
         [--out benchmarks/results/reward_workers-tiny.json]
+    python -m benchmarks.reward_workers --model smollm2 --steps 8 --repeats 3 --rounds 400
+        [--out benchmarks/results/reward_workers-smollm2-rounds400.json]
     python -m benchmarks.reward_workers --smoke     # a minute: every arm for 3 steps (the test suite's run)
 
 The reward is :func:`benchmarks.common.math_reward.math_verify_reward` (parsing and checking math answers in pure
 Python, as ``math_verify``-style rewards do; its seconds per batch are measured first and recorded). On the tiny model
-(:mod:`a3po_trl.tasks.tiny_model`: 8 completions of up to 32 tokens per step, ``max_staleness=1``), three arms run
+(:mod:`a3po_trl.tasks.tiny_model`: 8 completions of up to 32 tokens per step, ``max_staleness=1``) or on SmolLM2-135M
+(``--model smollm2``, converted offline by :mod:`a3po_trl.tasks.offline_model`; the same shape and prompts, learning
+rate 1e-5, bf16 off on a CPU as the README's example sets it; the tiny model's arms keep ``GRPOConfig``'s bf16
+default, as their committed records ran), three arms run
 interleaved at seeds ``0 .. --repeats - 1`` (the model's initialization and the run's), at the library's defaults
 (thread counts and ``OMP_WAIT_POLICY`` as users leave them); the summary pairs the arms seed by seed (mean difference,
 95% t interval, Holm within each quantity):
@@ -54,10 +59,38 @@ def reward_seconds_per_batch(batches: int = 20) -> float:
     return statistics.median(samples)
 
 
-def _trainer(arm: str, output_dir: str, steps: int, workers: int, seed: int):
-    from a3po_trl.tasks.tiny_model import make_byte_tokenizer, make_sum_prompts, make_tiny_llama
+MODELS = ("tiny", "smollm2")
+MODEL_NAMES = {
+    "tiny": "tiny (a3po_trl.tasks.tiny_model: random 2-layer Llama, hidden 32, byte tokenizer)",
+    "smollm2": "SmolLM2-135M-Instruct (a3po_trl.tasks.offline_model, float32, lr 1e-5)",
+}
 
-    tokenizer = make_byte_tokenizer()
+
+def _model_and_tokenizer(model: str, seed: int):
+    """The tiny model initialized from ``seed``, or SmolLM2-135M-Instruct (its pretrained weights: ``seed`` seeds the
+    run only), with the settings each model trains with here."""
+    if model == "tiny":
+        from a3po_trl.tasks.tiny_model import make_byte_tokenizer, make_tiny_llama
+
+        tokenizer = make_byte_tokenizer()
+        return make_tiny_llama(tokenizer, seed=seed), tokenizer, dict(learning_rate=1e-2)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from a3po_trl.tasks.offline_model import resolve_model_path
+
+    path = resolve_model_path("smollm2-135m-instruct")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model, tokenizer, dict(learning_rate=1e-5, bf16=False)  # the runs are on the CPU (use_cpu)
+
+
+def _trainer(arm: str, output_dir: str, steps: int, workers: int, seed: int, model: str = "tiny"):
+    from a3po_trl.tasks.tiny_model import make_sum_prompts
+
+    network, tokenizer, model_settings = _model_and_tokenizer(model, seed)
     settings = dict(
         output_dir=output_dir,
         use_cpu=True,
@@ -65,13 +98,13 @@ def _trainer(arm: str, output_dir: str, steps: int, workers: int, seed: int):
         save_strategy="no",
         disable_tqdm=True,
         max_steps=steps,
-        learning_rate=1e-2,
         logging_steps=1,
         seed=seed,
+        **model_settings,
         **SHAPE,
     )
     kwargs = dict(
-        model=make_tiny_llama(tokenizer, seed=seed),
+        model=network,
         reward_funcs=[math_verify_reward],
         train_dataset=make_sum_prompts(64),
         processing_class=tokenizer,
@@ -87,7 +120,7 @@ def _trainer(arm: str, output_dir: str, steps: int, workers: int, seed: int):
     return AsyncA3POTrainer(args=args, **kwargs)
 
 
-def run(arm: str, steps: int, workers: int, skip: int, seed: int) -> dict:
+def run(arm: str, steps: int, workers: int, skip: int, seed: int, model: str = "tiny") -> dict:
     """One training run of ``arm`` at ``seed`` (the model's initialization and the run's): per-step wall, CPU, wait
     and stall seconds, their medians after ``skip`` steps, and its provenance block."""
     import torch
@@ -96,7 +129,7 @@ def run(arm: str, steps: int, workers: int, skip: int, seed: int) -> dict:
 
     started, meter, process = time.time(), LoadMeter(children=True).start(), torch.get_num_threads()
     with tempfile.TemporaryDirectory(prefix="a3po-reward-workers-") as output_dir:
-        trainer = _trainer(arm, output_dir, steps, workers, seed)
+        trainer = _trainer(arm, output_dir, steps, workers, seed, model)
         timer = step_timer_callback()
         timer.trainer = trainer
         trainer.add_callback(timer)
@@ -177,14 +210,15 @@ def summarize(runs: list[dict]) -> dict:
     return summary
 
 
-def measure(steps: int, repeats: int, workers: int, skip: int, rounds: int) -> dict:
+def measure(steps: int, repeats: int, workers: int, skip: int, rounds: int, model: str = "tiny") -> dict:
     """The reward's cost, then ``repeats`` interleaved runs of every arm (see the module's docstring)."""
     import torch
 
     os.environ[ROUNDS_ENV] = str(rounds)  # the workers inherit it
     started, meter, process = time.time(), LoadMeter(children=True).start(), torch.get_num_threads()
     meta = {
-        "model": "tiny (a3po_trl.tasks.tiny_model: random 2-layer Llama, hidden 32, byte tokenizer)",
+        "model": MODEL_NAMES[model],
+        "model_key": model,
         "reward": "benchmarks.common.math_reward.math_verify_reward",
         "reward_rounds": rounds,
         "reward_seconds_per_batch": reward_seconds_per_batch(),
@@ -196,7 +230,11 @@ def measure(steps: int, repeats: int, workers: int, skip: int, rounds: int) -> d
         "reward_num_workers": workers,
         "load_average_before": list(os.getloadavg()),
     }
-    runs = [run(arm, steps, workers, skip, seed) for seed in range(repeats) for arm in ARMS]
+    runs = []
+    for seed in range(repeats):
+        for arm in ARMS:
+            print(f"[reward_workers] {model} {arm} seed {seed} ({len(runs) + 1} of {repeats * len(ARMS)})", flush=True)
+            runs.append(run(arm, steps, workers, skip, seed, model))
     meta["load_average_after"] = list(os.getloadavg())
     meta["provenance"] = provenance(started, thread_roles(None, None, process), meter.stop()["foreign_cpu_frac"])
     return {"meta": meta, "runs": runs, "summary": summarize(runs)}
@@ -204,6 +242,7 @@ def measure(steps: int, repeats: int, workers: int, skip: int, rounds: int) -> d
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=MODELS, default="tiny", help="the tiny model or SmolLM2-135M (offline)")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=5, help="seeds 0 .. repeats - 1, each running every arm")
     parser.add_argument("--workers", type=int, default=1, help="reward_num_workers of the workers arm")
@@ -219,7 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
         sizes = dict(steps=3, repeats=1, skip=1, rounds=2)
     logging.disable(logging.WARNING)  # the runs' warnings (tiny model, CPU) would bury the results
     try:
-        record = measure(workers=options.workers, **sizes)
+        record = measure(workers=options.workers, model=options.model, **sizes)
     finally:
         logging.disable(logging.NOTSET)
     text = json.dumps(record, indent=2)

@@ -47,7 +47,8 @@ def cpu_threads(trainer, available: int) -> CPUThreads:
     device = torch.device(args.generation_device or trainer.accelerator.device)
     on_cpu = device.type == "cpu" and trainer.accelerator.device.type == "cpu"
     shares = on_cpu and args.async_generation and not trainer._use_vllm_backend
-    return choose_cpu_threads(args, trainer._unwrapped_model().config, shares, available)
+    in_process = shares and getattr(args, "generation_process", False)
+    return choose_cpu_threads(args, trainer._unwrapped_model().config, shares, available, in_process)
 
 
 def build_backend(trainer) -> GenerationBackend:

@@ -9,6 +9,13 @@ faster than PyTorch's count each; on SmolLM2-135M, whose products are large, PyT
 So: when the generation thread shares the CPU, the training forward's largest matrix product decides, estimated
 from the model's config and the batch shape (:func:`largest_product`): below :data:`SMALL_PRODUCT` multiply-adds,
 one intra-op thread each; at or above it, PyTorch's count each (unchanged). The choice is logged once per ``train()``.
+
+With ``generation_process=True`` generation runs in a process of its own on the same cores. Measured on SmolLM2
+with 2 cores, PyTorch's count in both processes made the step more than twice as long as the thread's: each process's
+OpenMP team spins on the cores the other process needs (GNU OpenMP throttles its spinning where one process runs more
+threads than cores, and cannot see another process's threads). So with the process, large products split the cores
+between the two (:func:`split_cores`) instead of keeping PyTorch's count; small ones run one thread each, as with the
+thread.
 """
 
 from __future__ import annotations
@@ -44,14 +51,34 @@ def largest_product(model_config, batch_size: int, completion_length: int) -> in
     return batch_size * completion_length * hidden * max(widths)
 
 
-def choose_cpu_threads(args, model_config, generation_shares_cpu: bool, available: int) -> CPUThreads:
+def split_cores(available: int) -> tuple[int, int]:
+    """``(training, generation)`` intra-op threads that share ``available`` cores between two processes: half each,
+    the odd core to training (whose step is the one waited for), at least one each."""
+    generation = max(1, available // 2)
+    return max(1, available - generation), generation
+
+
+def choose_cpu_threads(
+    args, model_config, generation_shares_cpu: bool, available: int, generation_in_process: bool = False
+) -> CPUThreads:
     """The thread counts for ``args``: the user's where set; with neither set and the generation thread sharing the
-    CPU, one each where the largest product is small (:data:`SMALL_PRODUCT`), else PyTorch's count (``available``)."""
+    CPU, one each where the largest product is small (:data:`SMALL_PRODUCT`), else PyTorch's count (``available``),
+    or, where generation runs in a process of its own on these cores (``generation_in_process``), the cores split
+    between the two processes (:func:`split_cores`)."""
     if args.training_num_threads is not None or args.generation_num_threads is not None:
         return CPUThreads(args.training_num_threads, args.generation_num_threads)
     if not generation_shares_cpu or available <= 1:
         return CPUThreads(None, None)
     product = largest_product(model_config, args.per_device_train_batch_size, args.max_completion_length)
+    if product is None and generation_in_process:
+        training, generation = split_cores(available)
+        return CPUThreads(
+            training,
+            generation,
+            f"the model's config does not give its sizes and generation runs in a process of its own "
+            f"(generation_process): the {available} cores are split, {training} intra-op threads for training and "
+            f"{generation} for the generation process",
+        )
     if product is None:
         return CPUThreads(None, None, f"the model's config does not give its sizes: both threads keep {available}")
     if product < SMALL_PRODUCT:
@@ -61,9 +88,15 @@ def choose_cpu_threads(args, model_config, generation_shares_cpu: bool, availabl
             f"the largest product of a training micro-batch is small ({product:.1e} multiply-adds < "
             f"{SMALL_PRODUCT:.1e}): one intra-op thread each for training and generation, of {available}",
         )
-    return CPUThreads(
-        None,
-        None,
-        f"the largest product of a training micro-batch is large ({product:.1e} multiply-adds >= "
-        f"{SMALL_PRODUCT:.1e}): both threads keep PyTorch's {available} intra-op threads",
-    )
+    large = f"the largest product of a training micro-batch is large ({product:.1e} multiply-adds >= "
+    large += f"{SMALL_PRODUCT:.1e})"
+    if generation_in_process:
+        training, generation = split_cores(available)
+        return CPUThreads(
+            training,
+            generation,
+            f"{large} and generation runs in a process of its own (generation_process): the {available} cores are "
+            f"split, {training} intra-op threads for training and {generation} for the generation process (each "
+            f"process's OpenMP team would spin on the other's cores)",
+        )
+    return CPUThreads(None, None, f"{large}: both threads keep PyTorch's {available} intra-op threads")

@@ -196,8 +196,19 @@ def import_previous(previous: dict, source: str, store: RunStore) -> list[str]:
     return [previous["meta"]["command"]]
 
 
+def _merge_key(meta: dict, key: str):
+    """``meta[key]`` as the merge compares it: the thread variants (``--thread-variants``) left out of ``threads``,
+    since a variant only adds configurations, each run carrying its own counts."""
+    value = meta.get(key)
+    if key == "threads" and isinstance(value, dict):
+        return {k: v for k, v in value.items() if k != "variants"}
+    return value
+
+
 def check_mergeable(previous_meta: dict, report_meta: dict) -> None:
-    different = [k for k in MERGE_KEYS if previous_meta.get(k) != report_meta.get(k)]
+    """Refuse to merge a previous report run under other settings (:data:`MERGE_KEYS`; other thread variants may
+    merge)."""
+    different = [k for k in MERGE_KEYS if _merge_key(previous_meta, k) != _merge_key(report_meta, k)]
     if different:
         raise SystemExit(f"--merge-from: the previous report differs in {different}; rerun with the same settings.")
 

@@ -387,6 +387,13 @@ def generation_process_tables(s: Summaries) -> str:
     return "\n\n".join([s.table(f"{report_name}.md", 2), "\n".join(lines), "\n".join(closed), note])
 
 
+def generation_process_smollm2_tables(s: Summaries) -> str:
+    """Generation in a process of its own on SmolLM2 at the library's defaults: each configuration's step and thread
+    CPU time, and the process's mean step against the thread's, paired by seed (no ideal measured here)."""
+    report_name = "launch-bound/generation-process-smollm2"
+    return _paired_steps(s, report_name, "loglinear-s1-proc", ("loglinear-s1",), thread_table=1)
+
+
 #: The reward workers' records (``benchmarks/reward_workers.py``), lightest reward first.
 REWARD_WORKERS_RECORDS = (
     "reward_workers-tiny.json",
@@ -396,19 +403,21 @@ REWARD_WORKERS_RECORDS = (
 
 
 def reward_workers_tables(s: Summaries) -> str:
-    """Rewards in worker processes on the tiny model, one record per reward cost: each arm's medians over seeds, and
-    the arms paired seed by seed (mean difference, 95% t interval, Holm within step time and within stall)."""
+    """Rewards in worker processes, one record per model and reward cost: each arm's medians over seeds, and the arms
+    paired seed by seed (mean difference, 95% t interval, Holm within step time and within stall)."""
     arms = [
-        "| reward (s per batch) | arm | step, s (median) | training thread's stall, s | stall share | train(), s |",
-        "|---|---|---:|---:|---:|---:|",
+        "| model | reward (s per batch) | arm | step, s (median) | training thread's stall, s | stall share | "
+        "train(), s |",
+        "|---|---|---|---:|---:|---:|---:|",
     ]
     pairs = [
-        "| reward (s per batch) | quantity | difference | seeds | mean [95% interval] | Holm p |",
-        "|---|---|---|---:|---|---:|",
+        "| model | reward (s per batch) | quantity | difference | seeds | mean [95% interval] | Holm p |",
+        "|---|---|---|---|---:|---|---:|",
     ]
     for name in REWARD_WORKERS_RECORDS:
         record = s.json(name)
-        cost = f"{record['meta']['reward_seconds_per_batch']:.3f}"
+        model = record["meta"].get("model_key", "tiny")  # the first records ran the tiny model only
+        cost = f"{model} | {record['meta']['reward_seconds_per_batch']:.3f}"
         summary = record["summary"]
         for arm in ("grpo", "thread", "workers"):
             a = summary[arm]

@@ -271,6 +271,22 @@ def test_truncated_sampling_is_recorded_not_warned_about(tokenizer, tmp_path, ca
     assert builders.hf_generation_settings(trainer).record_sampling_logps
 
 
+def test_with_generation_in_a_process_large_products_split_the_cores(tokenizer, tmp_path, monkeypatch):
+    """generation_process=True and neither count set: where the thread keeps PyTorch's count in both, the two
+    processes split the cores instead (a3po_trl.generation.cpu_threads.split_cores); the thread's rule is unchanged."""
+    from a3po_trl.generation import cpu_threads
+
+    monkeypatch.setattr(cpu_threads, "SMALL_PRODUCT", 1)  # the tiny model's products count as large
+
+    def counts(trainer, available):
+        chosen = builders.cpu_threads(trainer, available)
+        return chosen.training, chosen.generation
+
+    in_process = make_trainer(tokenizer, tmp_path / "process", generation_process=True)
+    assert counts(in_process, 2) == (1, 1) and counts(in_process, 5) == (3, 2)
+    assert counts(make_trainer(tokenizer, tmp_path / "thread"), 2) == (None, None)
+
+
 @pytest.mark.parametrize("small", [True, False])
 def test_without_thread_settings_small_products_train_and_generate_on_one_intra_op_thread_each(
     tokenizer, tmp_path, monkeypatch, caplog, small

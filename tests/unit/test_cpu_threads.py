@@ -6,7 +6,7 @@ import pytest
 from transformers import LlamaConfig, Qwen2VLConfig
 
 from a3po_trl import AsyncA3POConfig
-from a3po_trl.generation.cpu_threads import SMALL_PRODUCT, choose_cpu_threads, largest_product
+from a3po_trl.generation.cpu_threads import SMALL_PRODUCT, choose_cpu_threads, largest_product, split_cores
 
 TINY = LlamaConfig(hidden_size=32, intermediate_size=64, vocab_size=259)
 #: SmolLM2-135M's sizes
@@ -37,6 +37,29 @@ def test_small_products_run_one_intra_op_thread_each_and_large_ones_keep_pytorch
     short = choose_cpu_threads(_args(per_device_train_batch_size=2, num_generations=2, max_completion_length=4),
                                SMOLLM2, generation_shares_cpu=True, available=2)  # fmt: skip
     assert (short.training, short.generation) == (1, 1)
+
+
+def test_with_generation_in_a_process_large_products_split_the_cores_between_the_two_processes():
+    # two processes at PyTorch's count each spin on each other's cores (SmolLM2 on 2 cores: the step more than twice
+    # the thread's): the cores are split, training taking the odd one
+    large = choose_cpu_threads(_args(), SMOLLM2, generation_shares_cpu=True, available=2, generation_in_process=True)
+    assert (large.training, large.generation) == (1, 1) and "split, 1 intra-op threads for training" in large.reason
+    assert split_cores(2) == (1, 1) and split_cores(7) == (4, 3) and split_cores(16) == (8, 8)
+    assert split_cores(1) == (1, 1)
+    wide = choose_cpu_threads(_args(), SMOLLM2, generation_shares_cpu=True, available=7, generation_in_process=True)
+    assert (wide.training, wide.generation) == (4, 3)
+    # small products: one each, as with the thread; a config without sizes: split too (never both at every core)
+    small = choose_cpu_threads(_args(), TINY, generation_shares_cpu=True, available=8, generation_in_process=True)
+    assert (small.training, small.generation) == (1, 1)
+    unknown = choose_cpu_threads(
+        _args(), SimpleNamespace(), generation_shares_cpu=True, available=8, generation_in_process=True
+    )
+    assert (unknown.training, unknown.generation) == (4, 4) and "does not give its sizes" in unknown.reason
+    # the user's counts are used as set, in a process too
+    mine = choose_cpu_threads(
+        _args(generation_num_threads=2), SMOLLM2, generation_shares_cpu=True, available=2, generation_in_process=True
+    )
+    assert (mine.training, mine.generation) == (None, 2) and mine.reason is None
 
 
 @pytest.mark.parametrize(
