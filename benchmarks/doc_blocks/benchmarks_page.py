@@ -391,7 +391,20 @@ def generation_process_smollm2_tables(s: Summaries) -> str:
     """Generation in a process of its own on SmolLM2 at the library's defaults: each configuration's step and thread
     CPU time, and the process's mean step against the thread's, paired by seed (no ideal measured here)."""
     report_name = "launch-bound/generation-process-smollm2"
-    return _paired_steps(s, report_name, "loglinear-s1-proc", ("loglinear-s1",), thread_table=1)
+    tables = _paired_steps(s, report_name, "loglinear-s1-proc", ("loglinear-s1",), thread_table=1)
+    memory = {}
+    for record in s.json(f"{report_name}.json")["records"]:
+        trainer, child = record["peak_rss_mb"], record["result"].get("generation_process_peak_rss_mb")
+        memory.setdefault(record["config"]["name"], []).append((trainer, child or 0.0))
+    lines = [
+        "| config | trainer process peak RSS, MB | generation process peak RSS, MB | together, MB |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, peaks in memory.items():
+        trainer, child = (sum(values) / len(values) for values in zip(*peaks))
+        shown = f"{child:,.0f}" if child else "–"
+        lines.append(f"| {name} | {trainer:,.0f} | {shown} | {trainer + child:,.0f} |")
+    return tables + "\n\n" + "\n".join(lines) + "\n\nPeak resident memory, mean over seeds."
 
 
 def generation_process_before_split_table(s: Summaries) -> str:
