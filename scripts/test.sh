@@ -50,7 +50,8 @@ deactivate
 [ -n "$vllm_pid" ] || exit "$suite_status"
 kill -0 "$vllm_pid" 2>/dev/null && echo "[test.sh] main run ended $(date -u +%H:%M:%S); waiting for the vLLM part"
 wait "$vllm_pid" || true
-vllm_status="$(cat "$vllm_status_file" 2>/dev/null || echo 1)"
+vllm_status="$(cat "$vllm_status_file" 2>/dev/null)"
+vllm_status="${vllm_status:-1}"  # no status written: the part was killed
 echo "---------------- vLLM part (.venv-vllm) ----------------"
 cat "$vllm_log"
 if [ "$vllm_status" -eq 0 ] && [ "${A3PO_VLLM_AFTER:-0}" = "1" ] && [ "$suite_status" -eq 0 ]; then
