@@ -74,17 +74,10 @@ def _model_and_tokenizer(model: str, seed: int):
 
         tokenizer = make_byte_tokenizer()
         return make_tiny_llama(tokenizer, seed=seed), tokenizer, dict(learning_rate=1e-2)
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from benchmarks.compare.trainers import load_model_and_tokenizer  # float32, as the compare benchmark loads it
 
-    from a3po_trl.tasks.offline_model import resolve_model_path
-
-    path = resolve_model_path("smollm2-135m-instruct")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return model, tokenizer, dict(learning_rate=1e-5, bf16=False)  # the runs are on the CPU (use_cpu)
+    network, tokenizer, _ = load_model_and_tokenizer({"model": model})
+    return network, tokenizer, dict(learning_rate=1e-5, bf16=False)  # the runs are on the CPU (use_cpu)
 
 
 def _trainer(arm: str, output_dir: str, steps: int, workers: int, seed: int, model: str = "tiny"):

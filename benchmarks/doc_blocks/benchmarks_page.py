@@ -391,7 +391,41 @@ def generation_process_smollm2_tables(s: Summaries) -> str:
     """Generation in a process of its own on SmolLM2 at the library's defaults: each configuration's step and thread
     CPU time, and the process's mean step against the thread's, paired by seed (no ideal measured here)."""
     report_name = "launch-bound/generation-process-smollm2"
-    return _paired_steps(s, report_name, "loglinear-s1-proc", ("loglinear-s1",), thread_table=1)
+    tables = _paired_steps(s, report_name, "loglinear-s1-proc", ("loglinear-s1",), thread_table=1)
+    memory = {}
+    for record in s.json(f"{report_name}.json")["records"]:
+        trainer, child = record["peak_rss_mb"], record["result"].get("generation_process_peak_rss_mb")
+        memory.setdefault(record["config"]["name"], []).append((trainer, child or 0.0))
+    lines = [
+        "| config | trainer process peak RSS, MB | generation process peak RSS, MB | together, MB |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, peaks in memory.items():
+        trainer, child = (sum(values) / len(values) for values in zip(*peaks))
+        shown = f"{child:,.0f}" if child else "–"
+        lines.append(f"| {name} | {trainer:,.0f} | {shown} | {trainer + child:,.0f} |")
+    return tables + "\n\n" + "\n".join(lines) + "\n\nPeak resident memory, mean over seeds."
+
+
+def generation_process_before_split_table(s: Summaries) -> str:
+    """The SmolLM2 runs that led to splitting the cores for the generation process, run by run from their records:
+    each run's intra-op threads (training, generation) as its provenance recorded them, its mean step, and whether
+    the working tree differed from its commit (the rule changed while the runs went)."""
+    report = s.json("launch-bound/generation-process-smollm2-before-split.json")
+    steps = {(run["name"], run["seed"]): run["step_time_mean"] for run in report["runs"]}
+    lines = [
+        "| config | seed | intra-op threads (training, generation) | s/step mean | tree differed from its commit |",
+        "|---|---:|---|---:|---|",
+    ]
+    for record in report["records"]:
+        config, block = record["config"], record["provenance"]
+        threads = block["threads"]
+        where = "process" if config.get("generation_process") else "thread"
+        lines.append(
+            f"| {config['name']} | {config['seed']} | {threads['training']}, {threads['generation']} ({where}) | "
+            f"{steps[(config['name'], config['seed'])]:.2f} | {'yes' if block['dirty'] else 'no'} |"
+        )
+    return "\n".join(lines)
 
 
 #: The reward workers' records (``benchmarks/reward_workers.py``), lightest reward first.
@@ -399,6 +433,7 @@ REWARD_WORKERS_RECORDS = (
     "reward_workers-tiny.json",
     "reward_workers-tiny-rounds100.json",
     "reward_workers-tiny-rounds400.json",
+    "reward_workers-smollm2-rounds400.json",
 )
 
 
@@ -507,6 +542,8 @@ BLOCKS = {
     "launch-bound-defaults": launch_bound_defaults_tables,
     "smollm2-defaults": smollm2_defaults_tables,
     "generation-process": generation_process_tables,
+    "generation-process-smollm2": generation_process_smollm2_tables,
+    "generation-process-before-split": generation_process_before_split_table,
     "reward-workers": reward_workers_tables,
     "compiled-decode": compiled_decode_tables,
     "guard-map": guard_map_tables,

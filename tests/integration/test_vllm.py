@@ -614,7 +614,8 @@ def test_backends_benchmark_reports_every_field(tokenizer, tmp_path):
     for row in report["results"]:
         assert row["seconds_per_step"] > 0 and row["generation_tokens_per_second"] > 0
         assert row["pipelining_ideal"] == max(row["generation_seconds_per_batch"], row["training_seconds_per_step"])
-        assert 0.5 < row["ratio_to_ideal"] < 3
+        # the ratio as defined (a bound on it would assert a timing, which a loaded machine moves)
+        assert row["ratio_to_ideal"] == pytest.approx(row["seconds_per_step"] / row["pipelining_ideal"])
     assert "| vllm-colocate |" in out.with_suffix(".md").read_text()
 
 
