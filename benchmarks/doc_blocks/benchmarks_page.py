@@ -411,7 +411,7 @@ def generation_process_before_split_table(s: Summaries) -> str:
     """The SmolLM2 runs that led to splitting the cores for the generation process, run by run from their records:
     each run's intra-op threads (training, generation) as its provenance recorded them, its mean step, and whether
     the working tree differed from its commit (the rule changed while the runs went)."""
-    report = s.json("launch-bound/generation-process-smollm2-before-split.json")
+    report = s.json("generation-process-smollm2-before-split.json")
     steps = {(run["name"], run["seed"]): run["step_time_mean"] for run in report["runs"]}
     lines = [
         "| config | seed | intra-op threads (training, generation) | s/step mean | tree differed from its commit |",
