@@ -70,33 +70,25 @@ def choose_cpu_threads(
     if not generation_shares_cpu or available <= 1:
         return CPUThreads(None, None)
     product = largest_product(model_config, args.per_device_train_batch_size, args.max_completion_length)
-    if product is None and generation_in_process:
-        training, generation = split_cores(available)
-        return CPUThreads(
-            training,
-            generation,
-            f"the model's config does not give its sizes and generation runs in a process of its own "
-            f"(generation_process): the {available} cores are split, {training} intra-op threads for training and "
-            f"{generation} for the generation process",
-        )
-    if product is None:
-        return CPUThreads(None, None, f"the model's config does not give its sizes: both threads keep {available}")
-    if product < SMALL_PRODUCT:
+    if product is not None and product < SMALL_PRODUCT:
         return CPUThreads(
             1,
             1,
             f"the largest product of a training micro-batch is small ({product:.1e} multiply-adds < "
             f"{SMALL_PRODUCT:.1e}): one intra-op thread each for training and generation, of {available}",
         )
-    large = f"the largest product of a training micro-batch is large ({product:.1e} multiply-adds >= "
-    large += f"{SMALL_PRODUCT:.1e})"
+    if product is None:
+        why = "the model's config does not give its sizes"
+    else:
+        why = f"the largest product of a training micro-batch is large ({product:.1e} multiply-adds >= "
+        why += f"{SMALL_PRODUCT:.1e})"
     if generation_in_process:
         training, generation = split_cores(available)
         return CPUThreads(
             training,
             generation,
-            f"{large} and generation runs in a process of its own (generation_process): the {available} cores are "
+            f"{why} and generation runs in a process of its own (generation_process): the {available} cores are "
             f"split, {training} intra-op threads for training and {generation} for the generation process (each "
             f"process's OpenMP team would spin on the other's cores)",
         )
-    return CPUThreads(None, None, f"{large}: both threads keep PyTorch's {available} intra-op threads")
+    return CPUThreads(None, None, f"{why}: both threads keep PyTorch's {available} intra-op threads")
