@@ -27,6 +27,7 @@ import sys
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from multiprocessing.connection import wait as wait_for_sentinels
 from typing import Any
 
 from torch import nn
@@ -118,16 +119,29 @@ class RewardWorkers:
         return PendingRewards(tasks, self.names, {name: kwargs[name] for name in proxied})
 
     def close(self, timeout: float = 30.0) -> None:
-        """End the pool: cancel what is queued, give running calls ``timeout`` seconds, then end the processes."""
-        processes = list((getattr(self._executor, "_processes", None) or {}).values())
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """End the pool: cancel what is queued, give running calls ``timeout`` seconds, then end the processes; on
+        return every worker has ended and been reaped, and the pool's manager thread is done.
+
+        Whether a worker has ended is read from its sentinel (ready once the process exits), not from ``is_alive()``:
+        the pool's manager thread reaps the workers too (a broken pool's at once), and a worker it reaped reads as
+        alive here until that thread records the exit code; signalling a reaped pid could reach another process."""
+        executor = self._executor
+        processes = list((getattr(executor, "_processes", None) or {}).values())
+        manager = getattr(executor, "_executor_manager_thread", None)  # shutdown() forgets it without joining it
+        executor.shutdown(wait=False, cancel_futures=True)
         deadline = time.monotonic() + timeout
         for process in processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-            if process.is_alive():  # a reward call that does not return (Python < 3.14 has no terminate_workers)
-                process.terminate()
-                process.join(5.0)
-        self._executor.shutdown(wait=True)
+            if not wait_for_sentinels([process.sentinel], max(0.0, deadline - time.monotonic())):
+                process.terminate()  # a reward call that does not return (Python < 3.14 has no terminate_workers)
+                if not wait_for_sentinels([process.sentinel], 5.0):
+                    process.kill()
+        executor.shutdown(wait=True)
+        if manager is not None:
+            manager.join(timeout=30.0)  # its workers have ended: it joins them and returns
+            if manager.is_alive():
+                logger.warning("The reward worker pool's manager thread did not end within 30 s of its workers")
+        for process in processes:
+            process.join(5.0)  # the exit code of a worker this thread reaped (the manager records its own)
 
 
 class PendingRewards:

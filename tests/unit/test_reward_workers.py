@@ -82,16 +82,19 @@ def test_arguments_that_cannot_be_sent_are_named():
 def test_a_worker_that_dies_is_named_and_the_pool_closes():
     funcs, names = [length_reward, exiting_reward], ["length_reward", "exiting_reward"]
     pool = RewardWorkers(funcs, names, num_workers=1)
-    processes = list(pool._executor._processes.values())
+    processes, manager = list(pool._executor._processes.values()), pool._executor._executor_manager_thread
     with pytest.raises(RuntimeError, match=r"reward worker process died .*'exiting_reward'"):
         score_completions(funcs, names, [None, None], ROWS, PROMPTS, COMPLETIONS, [[1]] * 4, workers=pool)
     pool.close(timeout=5.0)
-    assert processes and not any(process.is_alive() for process in processes)
+    # Closed means every worker ended and reaped (its exit code known) and the pool's manager thread done: that thread
+    # reaps the workers of a broken pool too, and a worker it reaped is only seen as ended once it recorded the code.
+    assert processes and all(process.exitcode is not None for process in processes)
+    assert not manager.is_alive()
 
 
 def test_closing_ends_a_call_that_does_not_return(tmp_path):
     pool = RewardWorkers([sleeping_reward], ["sleeping_reward"], num_workers=1)
-    processes = list(pool._executor._processes.values())
+    processes, manager = list(pool._executor._processes.values()), pool._executor._executor_manager_thread
     started = tmp_path / "started"
     pending = pool.submit([0], PROMPTS, COMPLETIONS, [[1]] * 4, {"started_file": str(started)})
     deadline = time.monotonic() + 300
@@ -100,7 +103,8 @@ def test_closing_ends_a_call_that_does_not_return(tmp_path):
     assert started.exists()  # the call is running
     start = time.monotonic()
     pool.close(timeout=1.0)
-    assert time.monotonic() - start < 30 and not any(process.is_alive() for process in processes)
+    assert time.monotonic() - start < 30
+    assert all(process.exitcode is not None for process in processes) and not manager.is_alive()
     with pytest.raises(RuntimeError, match="'sleeping_reward'"):
         pending.results()
 
