@@ -141,6 +141,29 @@ def test_two_processes_fill_their_batches_by_dynamic_sampling_from_disjoint_prom
         assert not set(slices[0]) & set(slices[1])
 
 
+def test_two_processes_with_generation_processes_train_the_threads_weights_bit_for_bit(tmp_path):
+    """``generation_process=True`` under DDP: each training process starts a generation process of its own (its own
+    shared staging buffers), and the run trains what the same run with the generation thread trains, bit for bit
+    (reproducible generation); no generation process outlives ``train()``."""
+    runs = {}
+    for variant in ("--thread", "--generation-process"):
+        run_dir = tmp_path / variant.strip("-")
+        run_dir.mkdir()
+        runs[variant] = _launch(run_dir, "ddp", False, 29890 + len(runs), variant)
+    for thread, process in zip(runs["--thread"], runs["--generation-process"], strict=True):
+        assert thread["rank"] == process["rank"] and process["world_size"] == 2 and process["global_step"] == 4
+        assert process["weights"] == thread["weights"] and process["weights_before"] == thread["weights_before"]
+        assert all(process["weights"][name] != value for name, value in process["weights_before"].items())  # trained
+        assert process["generator_versions"] == thread["generator_versions"]
+        assert set(thread["generation_pids"]) == {None}  # the thread backend has no process
+        pids = set(process["generation_pids"])
+        assert len(pids) == 1 and None not in pids and process["pid"] not in pids
+        assert process["children_alive"] == [] and not [t for t in process["threads_alive"] if t.startswith("a3po")]
+    first, second = runs["--generation-process"]
+    assert first["weights"] == second["weights"]  # DDP: one model on both processes
+    assert set(first["generation_pids"]).isdisjoint(second["generation_pids"])  # a generation process each
+
+
 def test_a_process_generating_past_the_process_group_timeout_keeps_the_other_waiting_without_failing(tmp_path):
     """DDP with dynamic sampling, a process group timeout of 10 s (what ``ddp_timeout`` sets),
     ``generation_batch_timeout`` 200 s, and one of process 1's generations 30 s longer: process 0 waits for process 1

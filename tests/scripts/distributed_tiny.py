@@ -2,7 +2,7 @@
 
 accelerate launch --config_file CONFIG tests/scripts/distributed_tiny.py OUT_DIR [--lora] [--reward-model] [--tools]
     [--dynamic-sampling]
-    [--in-flight] [--fail-rank R] [--slow-rank R] [--stuck-rank R]
+    [--in-flight] [--generation-process] [--fail-rank R] [--slow-rank R] [--stuck-rank R]
 
 ``--tools`` trains with an environment (a counter tool and an environment-owned reward) through a scripted
 ``generate`` that calls the tool on a third of the rows: the report then says which threads ran the tool calls and
@@ -12,6 +12,10 @@ the logged tool statistics.
 report then holds the prompts this process drew, and how many generation batches it drew beyond one per batch.
 ``--in-flight`` trains with ``in_flight_weight_updates=True`` and deterministic switch points (``helpers.Lockstep``,
 lag 1): the report then holds each batch's token versions and the versions the schedule says they must be.
+
+``--generation-process`` trains with ``generation_process=True`` and ``reproducible_generation=True`` (``--thread``:
+the same with the thread, the reference): the report then holds the trainer's weights before and after training (a
+hash of each one's bytes), the generation processes' pids seen during training, and the children alive after it.
 
 ``--slow-rank R`` starts the process group with a timeout of ``SLOW_TIMEOUT`` seconds (what ``ddp_timeout`` sets, but
 transformers passes it on only off the CPU) and makes process R's second ``generate`` call take ``SLOW_GENERATION``
@@ -79,6 +83,8 @@ def main():
     with_tools = "--tools" in sys.argv
     dynamic_sampling = "--dynamic-sampling" in sys.argv
     in_flight = "--in-flight" in sys.argv
+    generation_process = "--generation-process" in sys.argv
+    reproducible = generation_process or "--thread" in sys.argv
     fail_rank = int(sys.argv[sys.argv.index("--fail-rank") + 1]) if "--fail-rank" in sys.argv else None
     slow_rank = int(sys.argv[sys.argv.index("--slow-rank") + 1]) if "--slow-rank" in sys.argv else None
     stuck_rank = int(sys.argv[sys.argv.index("--stuck-rank") + 1]) if "--stuck-rank" in sys.argv else None
@@ -122,6 +128,8 @@ def main():
         # the slow process's generation outlasts the process group's timeout: the bound on the wait must be longer
         generation_batch_timeout=20 * SLOW_TIMEOUT if slow_rank is not None else None,
         generation_stop_timeout=1.0 if stuck_rank is not None else 30.0,
+        generation_process=generation_process,
+        reproducible_generation=reproducible,
     )
     model, tool_threads, extra = make_model(tokenizer), [], {}
     if with_tools:
@@ -156,6 +164,8 @@ def main():
         return _train_expecting_an_error(trainer, out_dir, stuck_since=stuck_since)  # exits with 1
     if slow_rank == trainer.accelerator.process_index:
         slow_second_generation(trainer, SLOW_GENERATION)
+    if reproducible:
+        return _train_and_report_weights(trainer, out_dir)
     trainer.train()
     policy = trainer.last_batch_producer.backend
     policy.refresh()  # load the last published weights (version = final global_step)
@@ -205,6 +215,43 @@ def main():
         json.dump(report, f)
     # No explicit destroy_process_group here, as in TRL's own scripts: the trainer registered it with atexit
     # (a3po_trl/distributed.py), which is what keeps gloo from aborting a rank at interpreter exit.
+
+
+def _train_and_report_weights(trainer, out_dir):
+    """Train (``--generation-process`` / ``--thread``); write the trainer's weights before and after (a hash of each
+    one's bytes), the generation processes' pids seen at each step and the children alive after ``train()``."""
+    import hashlib
+    import multiprocessing
+
+    from transformers import TrainerCallback
+
+    pids = []
+
+    class RecordGenerationPid(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            pids.append(getattr(trainer._backend, "pid", None))
+
+    def hashes(model):
+        return {name: hashlib.sha256(p.detach().numpy().tobytes()).hexdigest() for name, p in model.named_parameters()}
+
+    trainer.add_callback(RecordGenerationPid())
+    before = hashes(trainer.model)
+    trainer.train()
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    report = {
+        "rank": trainer.accelerator.process_index,
+        "world_size": trainer.accelerator.num_processes,
+        "pid": os.getpid(),
+        "global_step": trainer.state.global_step,
+        "weights_before": before,
+        "weights": hashes(model),
+        "generator_versions": logged(trainer, "async/generator_version"),
+        "generation_pids": pids,
+        "children_alive": [child.pid for child in multiprocessing.active_children()],
+        "threads_alive": sorted(t.name for t in threading.enumerate()),
+    }
+    with open(os.path.join(out_dir, f"rank{report['rank']}.json"), "w") as f:
+        json.dump(report, f)
 
 
 def _fail_second_batch_in(trainer, fail_rank, out_dir):
