@@ -127,7 +127,9 @@ class RewardWorkers:
         alive here until that thread records the exit code; signalling a reaped pid could reach another process."""
         executor = self._executor
         processes = list((getattr(executor, "_processes", None) or {}).values())
-        manager = getattr(executor, "_executor_manager_thread", None)  # shutdown() forgets it without joining it
+        # shutdown() drops its references (the manager thread, the processes) at once, wait or not: a second call
+        # would join nothing, so the manager thread is kept here and joined below
+        manager = getattr(executor, "_executor_manager_thread", None)
         executor.shutdown(wait=False, cancel_futures=True)
         deadline = time.monotonic() + timeout
         for process in processes:
@@ -135,7 +137,6 @@ class RewardWorkers:
                 process.terminate()  # a reward call that does not return (Python < 3.14 has no terminate_workers)
                 if not wait_for_sentinels([process.sentinel], 5.0):
                     process.kill()
-        executor.shutdown(wait=True)
         if manager is not None:
             manager.join(timeout=30.0)  # its workers have ended: it joins them and returns
             if manager.is_alive():
